@@ -1,0 +1,212 @@
+"""One rank-discovery path for every launcher, and process-group start-up.
+
+Contract: ``discover()`` returns who this process is, whatever started it:
+
+=====================  ===========================================================
+launcher               variables read
+=====================  ===========================================================
+torchrun / launch      RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT
+mpirun (Open MPI)      OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}
+srun (one task/rank)   SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE
+nothing                a single process: rank 0 of 1
+=====================  ===========================================================
+
+Launchers that do not export a rendezvous address (mpirun, srun) get ``MASTER_ADDR`` from the
+first host of ``SLURM_JOB_NODELIST`` (or localhost) and ``MASTER_PORT`` from the job id, so every
+rank of a job agrees without talking first.
+
+The backend follows the hardware: ``nccl`` when CUDA is present, else ``gloo``. Every process
+group is created with a timeout, so a missing or dead rank fails the job with a message instead
+of hanging it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+#: Seconds a collective may wait for a missing rank before the job fails.
+DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_PG_TIMEOUT", "300"))
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Who this process is, as its launcher told it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun" | "mpirun" | "srun" | "single"
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // max(self.local_world_size, 1)
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand Slurm's compact host list: ``"node[1-2,5],gpu01"`` -> ``[node1, node2, node5, gpu01]``."""
+    hosts: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", hostlist):
+        prefix, ranges = m.group(1), m.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}")
+    return hosts
+
+
+def _tasks_on_first_node(spec: str) -> int:
+    """``SLURM_STEP_TASKS_PER_NODE`` looks like ``"2(x2)"`` or ``"3,2"``: tasks on the first node."""
+    return int(re.match(r"\d+", spec).group(0))
+
+
+def _default_port(env: Mapping[str, str]) -> int:
+    job = int(env.get("SLURM_JOB_ID", "0") or 0)
+    return 20000 + job % 20000 if job else 29500
+
+
+def discover(env: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank, world size and rendezvous address from the launcher's variables."""
+    env = os.environ if env is None else env
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    first_host = expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1"
+    addr = env.get("MASTER_ADDR", first_host)
+    port = int(env.get("MASTER_PORT", _default_port(env)))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=addr,
+            master_port=port,
+            launcher="torchrun",
+        )
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return DistEnv(
+            rank=int(env["OMPI_COMM_WORLD_RANK"]),
+            world_size=int(env["OMPI_COMM_WORLD_SIZE"]),
+            local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+            local_world_size=int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)),
+            master_addr=addr,
+            master_port=port,
+            launcher="mpirun",
+        )
+    if "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_STEP_NUM_TASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=_tasks_on_first_node(env.get("SLURM_STEP_TASKS_PER_NODE", "1")),
+            master_addr=addr,
+            master_port=port,
+            launcher="srun",
+        )
+    return DistEnv(0, 1, 0, 1, addr, port, "single")
+
+
+def pick_backend(requested: str | None = None) -> str:
+    """``nccl`` with CUDA, else ``gloo``; an explicit request is honoured and checked."""
+    if requested in (None, "", "auto"):
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested not in ("nccl", "gloo", "mpi"):
+        raise ValueError(f"unknown distributed backend {requested!r}: choose nccl, gloo or mpi")
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA GPUs but none is visible: use --distributed-backend gloo")
+    return requested
+
+
+def pick_device(backend: str, local_rank: int) -> torch.device:
+    """The device this rank computes on: its own GPU with nccl, the CPU otherwise."""
+    if backend == "nccl":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def usable_cpus() -> int:
+    """Cores this process may actually run on (its affinity mask), not the node's total."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cap_cpu_threads(local_world_size: int) -> str:
+    """Cap intra-op threads to this rank's share of the usable cores; return what was done.
+
+    Cluster scripts often export ``OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK``, which on the local
+    cluster is far above the real cores and makes every rank fight for them.
+    """
+    share = max(1, usable_cpus() // max(local_world_size, 1))
+    asked = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    threads = min(asked, share) if asked else share
+    torch.set_num_threads(threads)
+    note = f" (OMP_NUM_THREADS={asked} capped)" if asked > threads else ""
+    return f"intra-op threads: {threads} of {usable_cpus()} usable cores{note}"
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """A started process group: who we are, where we compute, how we talk."""
+
+    env: DistEnv
+    backend: str
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    env: DistEnv | None = None,
+) -> DistContext:
+    """Start the default process group for this process (also for a world of one)."""
+    env = env or discover()
+    backend = pick_backend(backend)
+    device = pick_device(backend, env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # env:// reuses torchrun's own store when there is one; other launchers get ours.
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistContext(env=env, backend=backend, device=device)
+
+
+def shutdown() -> None:
+    """Destroy the default process group if one was started."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

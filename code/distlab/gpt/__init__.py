@@ -1,0 +1,1 @@
+"""Megatron-style GPT pretraining: model, data, parallelism and training loop."""
