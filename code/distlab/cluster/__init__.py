@@ -1,0 +1,9 @@
+"""The local Slurm mini-cluster: two real ``slurmd`` nodes on loopback addresses.
+
+``python -m distlab.cluster start|stop|status|reset`` (also ``./lab cluster ...``).
+"""
+
+from distlab.cluster.config import ClusterPaths, local_paths
+from distlab.cluster.daemons import ClusterError, is_up, reset, start, status, stop
+
+__all__ = ["ClusterError", "ClusterPaths", "is_up", "local_paths", "reset", "start", "status", "stop"]

@@ -1,0 +1,143 @@
+"""Layout and configuration files of the local cluster.
+
+Everything lives under one gitignored folder, ``.lab/cluster/`` at the repository root::
+
+    slurm.conf  gres.conf     configuration (written on every start)
+    munge/      key, socket, pid, log of the private munged
+    ctld/       slurmctld state        spool/nodeN/  slurmd spools
+    log/        daemon logs            dev/gpu0,1    the GPU "devices" (see below)
+
+Each node advertises the shape of a GPU cluster's node (64 CPUs, ``Gres=gpu:2``) so that sbatch
+scripts written for real clusters run unchanged; ``SlurmdParameters=config_overrides`` lets these
+counts stand on a 2-core machine. A ``gpu`` GRES needs device files, so ``dev/gpu0`` and
+``dev/gpu1`` are character devices with the numbers of ``/dev/null``: Slurm can count and bind
+them, and nothing can be computed on them. Jobs run on the CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from distlab import REPO_ROOT
+
+#: (name, loopback address) of the nodes.
+NODES = (("node1", "127.0.0.11"), ("node2", "127.0.0.12"))
+CPUS_PER_NODE = 64
+GPUS_PER_NODE = 2
+PARTITION = "lab"
+
+
+@dataclass(frozen=True)
+class ClusterPaths:
+    """Where the local cluster keeps its files, and the ports it listens on."""
+
+    root: Path
+    port_base: int = 16817  # slurmctld; slurmd of node i listens on port_base + 1 + i
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "slurm.conf"
+
+    @property
+    def gres_conf(self) -> Path:
+        return self.root / "gres.conf"
+
+    @property
+    def munge_dir(self) -> Path:
+        return self.root / "munge"
+
+    @property
+    def munge_key(self) -> Path:
+        return self.munge_dir / "munge.key"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.munge_dir / "munge.socket"
+
+    @property
+    def munge_pid(self) -> Path:
+        return self.munge_dir / "munged.pid"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "log"
+
+    @property
+    def ctld_pid(self) -> Path:
+        return self.root / "slurmctld.pid"
+
+    def slurmd_pid(self, node: str) -> Path:
+        return self.root / f"slurmd-{node}.pid"
+
+    @property
+    def ctld_port(self) -> int:
+        return self.port_base
+
+    def slurmd_port(self, index: int) -> int:
+        return self.port_base + 1 + index
+
+    def ports(self) -> list[int]:
+        return [self.ctld_port] + [self.slurmd_port(i) for i in range(len(NODES))]
+
+
+def local_paths() -> ClusterPaths:
+    """The cluster of this checkout (``LAB_CLUSTER_DIR`` and ``LAB_CLUSTER_PORT`` override)."""
+    root = Path(os.environ.get("LAB_CLUSTER_DIR", REPO_ROOT / ".lab" / "cluster")).resolve()
+    return ClusterPaths(root=root, port_base=int(os.environ.get("LAB_CLUSTER_PORT", "16817")))
+
+
+def slurm_conf(p: ClusterPaths) -> str:
+    """slurm.conf of the two-node cluster; every daemon runs as the current user (root)."""
+    user = os.environ.get("USER") or "root"
+    nodes = "\n".join(
+        f"NodeName={name} NodeAddr={addr} NodeHostname={name} Port={p.slurmd_port(i)} "
+        f"CPUs={CPUS_PER_NODE} Boards=1 SocketsPerBoard=2 CoresPerSocket={CPUS_PER_NODE // 2} "
+        f"ThreadsPerCore=1 RealMemory=256000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+        for i, (name, addr) in enumerate(NODES)
+    )
+    first, last = NODES[0][0], NODES[-1][0]
+    node_range = f"{first.rstrip('0123456789')}[{first[-1]}-{last[-1]}]"
+    return f"""# Written by distlab.cluster on every start: edits here are overwritten.
+ClusterName=lab
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={p.ctld_port}
+SlurmUser={user}
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={p.munge_socket}
+StateSaveLocation={p.root}/ctld
+SlurmdSpoolDir={p.root}/spool/%n
+SlurmctldPidFile={p.ctld_pid}
+SlurmdPidFile={p.root}/slurmd-%n.pid
+SlurmctldLogFile={p.log_dir}/slurmctld.log
+SlurmdLogFile={p.log_dir}/slurmd-%n.log
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+GresTypes=gpu
+SchedulerType=sched/backfill
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+ReturnToService=2
+MinJobAge=3600
+KillWait=5
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=60
+MessageTimeout=30
+{nodes}
+PartitionName={PARTITION} Nodes={node_range} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def gres_conf(p: ClusterPaths) -> str:
+    dev = p.root / "dev"
+    return f"AutoDetect=off\nName=gpu File={dev}/gpu[0-{GPUS_PER_NODE - 1}]\n"

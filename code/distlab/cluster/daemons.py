@@ -1,0 +1,277 @@
+"""Start, stop, inspect and reset the local cluster's daemons: munged, slurmctld, 2 x slurmd.
+
+Each ``slurmd -N nodeK`` runs in its own UTS namespace (``unshare --uts``) with its hostname set
+to ``nodeK``, so ``srun hostname`` prints node1 and node2 and launchers that compare host names
+(torchrun's c10d rendezvous, Open MPI) see two machines. The names resolve to 127.0.0.11/12
+through ``/etc/hosts``.
+
+Every operation is safe to repeat: starting a running cluster checks it and returns, stopping a
+stopped one does nothing, stale pid files and sockets are cleared, and a port held by some other
+program is reported with the way out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+from distlab import REPO_ROOT
+from distlab.cluster.config import NODES, ClusterPaths, gres_conf, local_paths, slurm_conf
+
+REQUIRED = {
+    "munged": "munge",
+    "mungekey": "munge",
+    "slurmctld": "slurmctld",
+    "slurmd": "slurmd",
+    "sinfo": "slurm-client",
+    "unshare": "util-linux",
+}
+HOSTS_MARK = "# distlab local cluster"
+
+
+class ClusterError(RuntimeError):
+    """The local cluster cannot start or answer; the message says why and what to do."""
+
+
+def _alive(pid_file: Path, name: str) -> int | None:
+    """Pid of the daemon ``name`` recorded in ``pid_file``, if it is running."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if comm == name[:15] else None
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def _env(p: ClusterPaths) -> dict[str, str]:
+    return {**os.environ, "SLURM_CONF": str(p.conf)}
+
+
+def _run(cmd: list[str], p: ClusterPaths, timeout: float = 30, check: bool = True) -> str:
+    try:
+        out = subprocess.run(cmd, env=_env(p), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise ClusterError(f"`{' '.join(cmd)}` did not answer within {timeout:.0f} s") from e
+    if check and out.returncode != 0:
+        raise ClusterError(f"`{' '.join(cmd)}` failed ({out.returncode}): {out.stderr.strip()}")
+    return out.stdout
+
+
+def _check_prerequisites() -> None:
+    if os.geteuid() != 0:
+        raise ClusterError(
+            "the local cluster runs Slurm's daemons as root (slurmd must, to start jobs): "
+            "run as root, e.g. `sudo ./lab cluster start`"
+        )
+    missing = sorted({pkg for exe, pkg in REQUIRED.items() if shutil.which(exe) is None})
+    if missing:
+        raise ClusterError(
+            f"missing Debian packages: {' '.join(missing)}; run `./lab setup` "
+            f"(or `apt-get install {' '.join(missing)}`)"
+        )
+
+
+def _ensure_hosts() -> None:
+    """Make node names resolvable: ``127.0.0.11 node1`` ... in /etc/hosts (once)."""
+    hosts = Path("/etc/hosts")
+    text = hosts.read_text()
+    lines = [f"{addr} {name} {HOSTS_MARK}" for name, addr in NODES]
+    missing = [line for line in lines if line not in text]
+    if missing:
+        hosts.write_text(text.rstrip("\n") + "\n" + "\n".join(missing) + "\n")
+
+
+def _prepare_files(p: ClusterPaths) -> None:
+    for d in (p.root, p.munge_dir, p.log_dir, p.root / "ctld", p.root / "dev"):
+        d.mkdir(parents=True, exist_ok=True)
+    for name, _ in NODES:
+        (p.root / "spool" / name).mkdir(parents=True, exist_ok=True)
+    p.munge_dir.chmod(0o700)
+    if not p.munge_key.exists():  # generated on first start, never committed
+        subprocess.run(["mungekey", "--create", f"--keyfile={p.munge_key}"], check=True)
+    p.munge_key.chmod(0o400)
+    for i in range(2):
+        dev = p.root / "dev" / f"gpu{i}"
+        if not dev.exists():
+            os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # same numbers as /dev/null
+    p.conf.write_text(slurm_conf(p))
+    p.gres_conf.write_text(gres_conf(p))
+    _link_system_conf(p)
+
+
+def _link_system_conf(p: ClusterPaths) -> None:
+    """Point /etc/slurm/slurm.conf at ours so that plain `sinfo` works in any shell.
+
+    Only done where no other configuration is there (a real cluster's is never touched).
+    """
+    system = Path("/etc/slurm/slurm.conf")
+    if system.is_symlink() or not system.exists():
+        system.parent.mkdir(parents=True, exist_ok=True)
+        if system.is_symlink():
+            system.unlink()
+        system.symlink_to(p.conf)
+        gres = system.parent / "gres.conf"
+        if gres.is_symlink() or not gres.exists():
+            gres.unlink(missing_ok=True)
+            gres.symlink_to(p.gres_conf)
+
+
+def _start_munged(p: ClusterPaths) -> None:
+    if _alive(p.munge_pid, "munged"):
+        return
+    p.munge_pid.unlink(missing_ok=True)
+    p.munge_socket.unlink(missing_ok=True)
+    subprocess.run(
+        ["munged", "--force", f"--socket={p.munge_socket}", f"--key-file={p.munge_key}",
+         f"--pid-file={p.munge_pid}", f"--log-file={p.log_dir / 'munged.log'}",
+         f"--seed-file={p.munge_dir / 'munged.seed'}"],
+        check=True, capture_output=True, text=True,
+    )
+
+
+def _check_ports(p: ClusterPaths) -> None:
+    owned = {p.ctld_port: _alive(p.ctld_pid, "slurmctld")}
+    for i, (name, _) in enumerate(NODES):
+        owned[p.slurmd_port(i)] = _alive(p.slurmd_pid(name), "slurmd")
+    busy = [port for port in p.ports() if not owned[port] and _port_busy(port)]
+    if busy:
+        raise ClusterError(
+            f"port(s) {busy} already in use by another program (see `ss -ltnp`): stop it, or "
+            f"choose other ports with `export LAB_CLUSTER_PORT=<base>` (now {p.port_base}; "
+            f"the cluster uses base .. base+{len(NODES)})"
+        )
+
+
+def _wait_for(what: str, ok, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ok():
+            return
+        time.sleep(0.5)
+    tail = log.read_text().splitlines()[-10:] if log.exists() else []
+    raise ClusterError(f"{what} did not come up within {timeout:.0f} s; last lines of {log}:\n"
+                       + "\n".join(tail))
+
+
+def _node_states(p: ClusterPaths) -> dict[str, str]:
+    out = _run(["sinfo", "-h", "-N", "-o", "%N %T"], p, check=False)
+    return dict(line.split()[:2] for line in out.splitlines() if len(line.split()) >= 2)
+
+
+def start(p: ClusterPaths | None = None, timeout: float = 90) -> str:
+    """Bring the cluster up (or check that it is up) and return ``sinfo``'s answer."""
+    p = p or local_paths()
+    _check_prerequisites()
+    _ensure_hosts()
+    _check_ports(p)
+    _prepare_files(p)
+    _start_munged(p)
+    if not _alive(p.ctld_pid, "slurmctld"):
+        p.ctld_pid.unlink(missing_ok=True)
+        subprocess.run(["slurmctld", "-f", str(p.conf)], env=_env(p), check=True)
+        _wait_for("slurmctld", lambda: _alive(p.ctld_pid, "slurmctld"), 30, p.log_dir / "slurmctld.log")
+    for name, _ in NODES:
+        if not _alive(p.slurmd_pid(name), "slurmd"):
+            p.slurmd_pid(name).unlink(missing_ok=True)
+            subprocess.run(
+                ["unshare", "--uts", "sh", "-c",
+                 f'hostname {name} && exec slurmd -N {name} -f "{p.conf}"'],
+                env=_env(p), check=True,
+            )
+    up = ("idle", "mixed", "allocated", "completing")
+
+    def nodes_up() -> bool:
+        states = _node_states(p)
+        stuck = [n for n, s in states.items() if s.rstrip("*~#") in ("down", "drained", "draining")]
+        if stuck:  # e.g. left down by an earlier crash: the daemons are back, so resume
+            _run(["scontrol", "update", f"NodeName={','.join(stuck)}", "State=RESUME"], p, check=False)
+        return len(states) == len(NODES) and all(s.rstrip("*~#") in up for s in states.values())
+
+    _wait_for("the nodes", nodes_up, timeout, p.log_dir / "slurmctld.log")
+    return _run(["sinfo"], p)
+
+
+def _cancel_all(p: ClusterPaths, timeout: float = 30) -> int:
+    jobs = _run(["squeue", "-h", "-o", "%i"], p, check=False).split()
+    if jobs:
+        _run(["scancel", *jobs], p, check=False)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _run(["squeue", "-h", "-o", "%i"], p, check=False).split():
+            time.sleep(0.5)
+    return len(jobs)
+
+
+def _terminate(pid_file: Path, name: str, timeout: float = 15) -> None:
+    pid = _alive(pid_file, name)
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _alive(pid_file, name):
+            time.sleep(0.2)
+        if _alive(pid_file, name):
+            os.kill(pid, signal.SIGKILL)
+    pid_file.unlink(missing_ok=True)
+
+
+def stop(p: ClusterPaths | None = None) -> str:
+    """Cancel every job, then stop the daemons. Safe when already stopped."""
+    p = p or local_paths()
+    if not p.root.exists():
+        return "local cluster: not set up, nothing to stop"
+    cancelled = _cancel_all(p) if _alive(p.ctld_pid, "slurmctld") else 0
+    for name, _ in NODES:
+        _terminate(p.slurmd_pid(name), "slurmd")
+    _terminate(p.ctld_pid, "slurmctld")
+    _terminate(p.munge_pid, "munged")
+    subprocess.run(["pkill", "-f", f"slurmstepd.*{p.root}"], check=False)
+    return f"local cluster stopped ({cancelled} job(s) cancelled)"
+
+
+def status(p: ClusterPaths | None = None) -> str:
+    """One line per daemon, then ``sinfo`` and ``squeue`` if the controller answers."""
+    p = p or local_paths()
+    lines = [f"config: {p.conf}"]
+    daemons = [("munged", p.munge_pid), ("slurmctld", p.ctld_pid)]
+    daemons += [("slurmd", p.slurmd_pid(name)) for name, _ in NODES]
+    for (name, pid_file), label in zip(daemons, ["munged", "slurmctld"] + [n for n, _ in NODES]):
+        pid = _alive(pid_file, name)
+        lines.append(f"{label:10s} {'running (pid %d)' % pid if pid else 'stopped'}")
+    if _alive(p.ctld_pid, "slurmctld"):
+        lines += [_run(["sinfo"], p, check=False).rstrip(), _run(["squeue"], p, check=False).rstrip()]
+    return "\n".join(lines)
+
+
+def is_up(p: ClusterPaths | None = None) -> bool:
+    p = p or local_paths()
+    return bool(_alive(p.ctld_pid, "slurmctld")) and all(
+        _alive(p.slurmd_pid(n), "slurmd") for n, _ in NODES)
+
+
+def reset(p: ClusterPaths | None = None) -> str:
+    """Cancel all jobs, clear the job logs that notebooks wrote, and resume drained nodes."""
+    p = p or local_paths()
+    cancelled = _cancel_all(p)
+    removed = 0
+    for folder in (REPO_ROOT / "notebooks" / "jobs", REPO_ROOT / "solutions" / "jobs"):
+        for log in folder.glob("*.out") if folder.exists() else []:
+            log.unlink()
+            removed += 1
+    names = ",".join(n for n, _ in NODES)
+    _run(["scontrol", "update", f"NodeName={names}", "State=RESUME"], p, check=False)
+    return f"cancelled {cancelled} job(s), removed {removed} job log(s)"

@@ -1,0 +1,39 @@
+"""Site profiles: how the same notebooks adapt to a cluster without edits.
+
+A profile is ``sites/<name>.sh``, a shell file of exports (see ``sites/local.sh`` and
+``sites/example-gpu.sh``). The chosen one is ``$LAB_SITE`` (default ``local``). Its ``SBATCH_*``
+variables are sbatch's input environment variables: they override ``#SBATCH`` lines, so the
+partition, account, time limit and GPUs per node come from the site, not from the notebook.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+
+from distlab import REPO_ROOT
+
+SITES_DIR = REPO_ROOT / "sites"
+
+
+def current() -> str:
+    return os.environ.get("LAB_SITE", "local")
+
+
+@functools.cache
+def profile_env(name: str | None = None) -> dict[str, str]:
+    """The variables that sourcing ``sites/<name>.sh`` sets or changes (with ``LAB_ROOT``)."""
+    name = name or current()
+    path = SITES_DIR / f"{name}.sh"
+    if not path.is_file():
+        known = sorted(p.stem for p in SITES_DIR.glob("*.sh") if p.stem != "job-env")
+        raise FileNotFoundError(f"no site profile {path}: LAB_SITE={name!r}; known sites: {known}")
+    base = {"LAB_ROOT": str(REPO_ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    out = subprocess.run(
+        ["bash", "-c", f'set -a; source "{path}" >/dev/null && env -0'],
+        env=base, capture_output=True, text=True, check=True, timeout=30,
+    ).stdout
+    env = dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+    changed = {k: v for k, v in env.items() if base.get(k) != v and k not in ("_", "SHLVL", "PWD")}
+    return {"LAB_ROOT": str(REPO_ROOT), "LAB_SITE": name, **changed}
