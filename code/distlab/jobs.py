@@ -34,6 +34,9 @@ ERROR_PATTERN = re.compile(
 )
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
+#: Pending reasons that waiting cannot cure: the request exceeds what the partition offers.
+HOPELESS_REASONS = {"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
+                    "ReqNodeNotAvail", "InvalidQOS", "InvalidAccount", "DependencyNeverSatisfied"}
 
 
 class JobError(RuntimeError):
@@ -203,6 +206,11 @@ def wait(job: Job, timeout: float = 600, poll: float = 1.0, tail: int = 5, check
         handle = _display(job, tail, handle)
         if job.state.split()[0] in FINAL_STATES:
             break
+        if job.state == "PENDING" and job.reason.split(",")[0] in HOPELESS_REASONS:
+            _slurm(["scancel", str(job.id)])
+            raise JobError(f"job {job.id} ({job.script.name}) can never start: Slurm says "
+                           f"{job.reason}. Cancelled it; ask for fewer nodes, GPUs or less time "
+                           "(`sinfo` shows what the partition has)")
         if time.monotonic() > deadline:
             _slurm(["scancel", str(job.id)])
             raise JobTimeout(f"job {job.id} ({job.script.name}) still {job.state} after {timeout:.0f} s "

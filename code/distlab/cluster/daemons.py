@@ -112,7 +112,8 @@ def _prepare_files(p: ClusterPaths) -> None:
             os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # same numbers as /dev/null
     p.conf.write_text(slurm_conf(p))
     p.gres_conf.write_text(gres_conf(p))
-    _link_system_conf(p)
+    if p == local_paths() and "LAB_CLUSTER_DIR" not in os.environ:
+        _link_system_conf(p)
 
 
 def _link_system_conf(p: ClusterPaths) -> None:
@@ -239,7 +240,6 @@ def stop(p: ClusterPaths | None = None) -> str:
         _terminate(p.slurmd_pid(name), "slurmd")
     _terminate(p.ctld_pid, "slurmctld")
     _terminate(p.munge_pid, "munged")
-    subprocess.run(["pkill", "-f", f"slurmstepd.*{p.root}"], check=False)
     return f"local cluster stopped ({cancelled} job(s) cancelled)"
 
 
