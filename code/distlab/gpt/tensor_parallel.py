@@ -1,0 +1,313 @@
+"""Megatron-style tensor parallelism: linear layers, embedding and cross-entropy split over ranks.
+
+Notation: ``p`` ranks in the tensor-parallel group, this rank is ``r``; ``B`` batch, ``T``
+sequence, ``H`` hidden, ``F`` MLP width, ``V`` (padded) vocabulary; a ``_p`` suffix is one rank's
+slice (``F_p = F / p``). The MLP is ``Y = GeLU(X A) B`` with ``A`` column-parallel and ``B``
+row-parallel, so the only communication is one ``f`` before ``A`` and one ``g`` after ``B``
+(see :mod:`distlab.gpt.tp_communications`). Attention splits its heads the same way: the fused
+qkv projection is column-parallel (``stride=3`` keeps q, k and v of the same heads together)
+and the output projection is row-parallel.
+
+Every layer builds its weight as the unsharded layer would (the *master* weight, drawn from the
+same RNG on every rank) and keeps its slice, so a model initialised from one seed is the same
+model whatever the layout. ``load_full_`` copies the slice of a given full weight instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .tp_communications import (
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel,
+    scatter_to_tensor_parallel,
+)
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def _linear_default_init(weight: torch.Tensor) -> None:
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # what nn.Linear does
+
+
+def shard_rows(full: torch.Tensor, p: int, r: int, stride: int = 1) -> torch.Tensor:
+    """Rank ``r``'s rows of ``full`` (N, ...) for ``p`` ranks: ``stride`` blocks, each split in ``p``.
+
+    ``stride=3`` on a fused ``[q; k; v]`` weight gives rank r ``[q_r; k_r; v_r]``.
+    """
+    blocks = full.reshape(stride, full.shape[0] // stride, *full.shape[1:])  # (s, N/s, ...)
+    mine = blocks.chunk(p, dim=1)[r]  # (s, N/(s p), ...)
+    return mine.reshape(-1, *full.shape[1:])  # (N/p, ...)
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
+    """Smallest multiple of ``make_vocab_size_divisible_by x tp`` >= ``vocab_size`` (Megatron).
+
+    The padded rows are real (trainable, never-targeted) entries of the embedding; since they
+    enter the softmax, two layouts train the same model only when they pad to the same size.
+    """
+    if vocab_size < 1 or make_vocab_size_divisible_by < 1 or tp < 1:
+        raise ValueError(
+            f"vocab size {vocab_size}, --make-vocab-size-divisible-by "
+            f"{make_vocab_size_divisible_by} and tensor-parallel size {tp} must be >= 1"
+        )
+    multiple = make_vocab_size_divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def vocab_padding_message(vocab_size: int, padded: int) -> str:
+    """Megatron's log line for the padding."""
+    return (
+        f" > padded vocab (size: {vocab_size}) with {padded - vocab_size} dummy tokens (new size: {padded})"
+    )
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b, A = [A_1, ..., A_p] split by columns; rank r computes Y_r = X A_r + b_r.
+
+    The input X (B, T, H_in) is replicated; ``f`` (identity forward, all-reduce backward) sums
+    the p partial input gradients. The output is (B, T, H_out_p), or the full (B, T, H_out)
+    with ``gather_output=True``. PyTorch stores ``A^T``, so "columns of A" are rows of ``weight``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: dist.ProcessGroup | None,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        init_method: InitMethod = _linear_default_init,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        p = group_size(group)
+        if out_features % (p * stride):
+            raise ValueError(
+                f"ColumnParallelLinear: out_features {out_features} is not divisible by "
+                f"tensor-parallel size {p} x stride {stride} = {p * stride}"
+            )
+        self.in_features, self.out_features, self.stride = in_features, out_features, stride
+        self.group, self.gather_output = group, gather_output
+        self.weight = nn.Parameter(torch.empty(out_features // p, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features // p, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters(init_method)
+
+    @torch.no_grad()
+    def reset_parameters(self, init_method: InitMethod = _linear_default_init) -> None:
+        """Initialise the master weight (out, in) from the RNG, keep this rank's rows; bias 0."""
+        full = torch.empty(
+            self.out_features, self.in_features, device=self.weight.device, dtype=self.weight.dtype
+        )
+        init_method(full)
+        self.load_full_(full, torch.zeros(self.out_features) if self.bias is not None else None)
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's slice of an unsharded weight (out, in) and bias (out,)."""
+        p, r = group_size(self.group), group_rank(self.group)
+        self.weight.copy_(shard_rows(weight, p, r, self.stride))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(shard_rows(bias, p, r, self.stride))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel(x, self.group)  # (B, T, H_in), f
+        y = F.linear(x, self.weight, self.bias)  # (B, T, H_out_p)
+        return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+            f"stride={self.stride}, gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b, A = [A_1; ...; A_p] split by rows, X = [X_1, ..., X_p]; Y = sum_r X_r A_r + b.
+
+    The input is (B, T, H_in_p), already split (the output of a ColumnParallelLinear), or the
+    full (B, T, H_in) with ``input_is_parallel=False``. ``g`` (all-reduce forward, identity
+    backward) sums the partial products; the bias is added once, after the sum, and is
+    replicated (its gradient is the same on every rank).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: dist.ProcessGroup | None,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_method: InitMethod = _linear_default_init,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        p = group_size(group)
+        if in_features % p:
+            raise ValueError(
+                f"RowParallelLinear: in_features {in_features} is not divisible by tensor-parallel size {p}"
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // p, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters(init_method)
+
+    @torch.no_grad()
+    def reset_parameters(self, init_method: InitMethod = _linear_default_init) -> None:
+        """Initialise the master weight (out, in) from the RNG, keep this rank's columns; bias 0."""
+        full = torch.empty(
+            self.out_features, self.in_features, device=self.weight.device, dtype=self.weight.dtype
+        )
+        init_method(full)
+        self.load_full_(full, torch.zeros(self.out_features) if self.bias is not None else None)
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's columns of an unsharded weight (out, in); the bias is whole."""
+        p, r = group_size(self.group), group_rank(self.group)
+        self.weight.copy_(weight.chunk(p, dim=1)[r])
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.group)  # (B, T, H_in) -> (B, T, H_in_p)
+        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)  # (B, T, H_out), g
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Y[t] = E[x_t], E = [E_1; ...; E_p] split by vocabulary rows; Y = sum_r E_r[x_t] (masked).
+
+    Rank r holds rows ``[r V_p, (r+1) V_p)``; a token outside them gives zeros there, and ``g``
+    sums the p partial lookups (exactly one of which is non-zero). ``num_embeddings`` must
+    already be padded to a multiple of p (:func:`pad_vocab_size`).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group: dist.ProcessGroup | None,
+        init_method: InitMethod = nn.init.normal_,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        p = group_size(group)
+        if num_embeddings % p:
+            raise ValueError(
+                f"VocabParallelEmbedding: vocabulary {num_embeddings} is not divisible by "
+                f"tensor-parallel size {p}: pad it with pad_vocab_size "
+                f"(--make-vocab-size-divisible-by)"
+            )
+        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        self.vocab_start = group_rank(group) * (num_embeddings // p)
+        self.vocab_end = self.vocab_start + num_embeddings // p
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)
+        )
+        self.reset_parameters(init_method)
+
+    @torch.no_grad()
+    def reset_parameters(self, init_method: InitMethod = nn.init.normal_) -> None:
+        """Initialise the master table (V, H) from the RNG, keep this rank's rows."""
+        full = torch.empty(
+            self.num_embeddings, self.embedding_dim, device=self.weight.device, dtype=self.weight.dtype
+        )
+        init_method(full)
+        self.load_full_(full)
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor) -> None:
+        """Copy this rank's rows of an unsharded table (V, H)."""
+        self.weight.copy_(weight[self.vocab_start : self.vocab_end])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)  # (B, T)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)  # (B, T), valid row indices
+        y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, H)
+        return reduce_from_tensor_parallel(y, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
+
+
+def parallel_lm_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """logits_r = h E_r^T: this rank's vocabulary slice of the logits (tied output layer).
+
+    hidden (B, T, H) replicated, weight (V_p, H) this rank's embedding rows -> (B, T, V_p).
+    """
+    return F.linear(copy_to_tensor_parallel(hidden, group), weight)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None
+    ) -> torch.Tensor:
+        p, r = group_size(group), group_rank(group)
+        v_p = logits.shape[-1]
+        logits = logits.float()  # (N, V_p)
+        top = logits.max(dim=-1).values  # (N,)
+        if p > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)  # (N, V_p), <= 0: exp cannot overflow
+        start = r * v_p
+        outside = (target < start) | (target >= start + v_p)  # (N,)
+        local = (target - start).masked_fill(outside, 0)  # (N,)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)  # (N,)
+        exp = shifted.exp()  # (N, V_p)
+        sum_exp = exp.sum(dim=-1)  # (N,)
+        if p > 1:
+            both = torch.stack([picked, sum_exp])  # one all-reduce for the two sums
+            dist.all_reduce(both, group=group)
+            picked, sum_exp = both[0], both[1]
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)  # softmax_r
+        return sum_exp.log() - picked  # (N,)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax.clone()  # d loss / d logits = softmax - onehot(target)
+        grad.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        return grad * grad_loss.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """loss_t = log sum_v exp(z_tv) - z_t,target, with z split by vocabulary over the group.
+
+    Three all-reduces of (N,) vectors (max, the target's logit, the sum of exponentials) replace
+    gathering the (N, V) logits. logits (..., V_p), target (...) -> per-token loss (...), fp32.
+    """
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: "
+            f"logits must be target's shape plus the vocabulary dimension"
+        )
+    n_shape = target.shape
+    loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group)
+    return loss.view(n_shape)
