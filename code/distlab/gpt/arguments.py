@@ -1,0 +1,244 @@
+"""Megatron-LM's command line for ``pretrain_gpt.py``, as one typed dataclass.
+
+Every field of :class:`PretrainArgs` is a flag: ``num_layers`` is ``--num-layers``. Booleans
+are Megatron's switches (``--fp16``), except the few the course passes as ``True|False``
+(``--profile-execution True``). The dataclass is the single source of names, types, defaults and
+help; :func:`parse_args` builds argparse from it and :func:`validate_args` checks everything
+that can be checked before a process group or a tensor exists, naming the values and the fix.
+
+Batch arithmetic (checked by ``ParallelDims.validate_batch``)::
+
+    global batch = micro batch x data-parallel size x accumulation steps
+    e.g.  16     =     2       x        4           x        2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+
+from distlab.gpt.parallel_state import ParallelDims
+
+
+def _f(default, help: str, **kw):  # noqa: A002 - argparse's own word
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class PretrainArgs:
+    """Arguments of ``pretrain_gpt.py``; names and meanings follow Megatron-LM."""
+
+    # --- model ---
+    num_layers: int = _f(None, "transformer blocks (required)")
+    hidden_size: int = _f(None, "model width h (required)")
+    num_attention_heads: int = _f(None, "attention heads; h must be divisible by it (required)")
+    seq_length: int = _f(None, "tokens per sample fed to the model (required)")
+    max_position_embeddings: int = _f(None, "learned positions; >= --seq-length (default: seq length)")
+    ffn_hidden_size: int = _f(None, "MLP width (default 4h)")
+    init_method_std: float = _f(0.02, "std of the normal initialisation; output layers use std/sqrt(2L)")
+    hidden_dropout: float = _f(0.0, "dropout after attention and MLP (Megatron's default is 0.1)")
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this x tp")
+    recompute_activations: bool = _f(False, "recompute each block's activations in backward")
+    # --- data ---
+    data_path: str = _f(None, "prefix of the .bin/.idx dataset, e.g. data/gpt/corpus_text_document")
+    data_impl: str = _f("mmap", "indexed dataset implementation (only mmap)", choices=["mmap"])
+    split: str = _f("969,30,1", "train,validation,test proportions of the documents")
+    vocab_file: str = _f(None, "GPT-2-style vocab.json")
+    merge_file: str = _f(None, "GPT-2-style merges.txt")
+    tokenizer_type: str = _f("GPT2BPETokenizer", "tokenizer kind", choices=["GPT2BPETokenizer"])
+    # --- batch and schedule ---
+    micro_batch_size: int = _f(None, "samples per forward/backward on one rank (required)")
+    global_batch_size: int = _f(None, "samples per optimizer step over all ranks (default micro x dp)")
+    train_iters: int = _f(None, "optimizer steps to train for (required)")
+    exit_duration_in_mins: float = _f(None, "save and stop after this many minutes")
+    seed: int = _f(1234, "seed of initialisation, data shuffling and dropout")
+    # --- optimizer ---
+    optimizer: str = _f(
+        "adam", "adam (decoupled weight decay, as Megatron) or sgd", choices=["adam", "adamw", "sgd"]
+    )
+    lr: float = _f(None, "peak learning rate (required)")
+    min_lr: float = _f(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = _f("linear", "decay shape", choices=["constant", "linear", "cosine"])
+    lr_decay_iters: int = _f(None, "iterations of decay (default --train-iters)")
+    lr_warmup_fraction: float = _f(None, "fraction of --lr-decay-iters spent in linear warm-up")
+    lr_warmup_iters: int = _f(0, "warm-up iterations (when no fraction is given)")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.999, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    sgd_momentum: float = _f(0.9, "SGD momentum")
+    weight_decay: float = _f(0.01, "decoupled weight decay (not on biases and LayerNorm)")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0: off)")
+    # --- precision ---
+    fp16: bool = _f(False, "float16 compute with dynamic loss scaling")
+    bf16: bool = _f(False, "bfloat16 compute")
+    initial_loss_scale: float = _f(2.0**32, "first loss scale with --fp16")
+    min_loss_scale: float = _f(1.0, "smallest loss scale")
+    loss_scale_window: int = _f(1000, "clean steps before the scale doubles")
+    hysteresis: int = _f(2, "overflows tolerated before the scale halves")
+    # --- parallelism ---
+    tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
+    pipeline_model_parallel_size: int = _f(1, "pipeline stages")
+    distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
+    distributed_timeout_minutes: float = _f(5.0, "collectives fail after waiting this long")
+    local_rank: int = _f(None, "set by the legacy torch.distributed.launch; ignored (LOCAL_RANK wins)")
+    # --- logging, evaluation, checkpoints ---
+    log_interval: int = _f(100, "iterations between log lines")
+    eval_interval: int = _f(1000, "iterations between validation runs")
+    eval_iters: int = _f(100, "global batches per validation run")
+    tensorboard_dir: str = _f(None, "write TensorBoard scalars here")
+    tensorboard_queue_size: int = _f(1000, "events buffered before TensorBoard flushes")
+    log_timers_to_tensorboard: bool = _f(False, "also write timers")
+    log_batch_size_to_tensorboard: bool = _f(False, "also write the batch size")
+    log_validation_ppl_to_tensorboard: bool = _f(False, "also write validation perplexity")
+    save: str = _f(None, "checkpoint directory to write")
+    load: str = _f(None, "checkpoint directory to resume from")
+    save_interval: int = _f(None, "iterations between checkpoints (and one at the end)")
+    profile_execution: bool = _f(False, "torch.profiler trace of two steps of rank 0 (True|False)", tf=True)
+    profile_name: str = _f("profile", "run name of the trace under --tensorboard-dir")
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+def _str2bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """argparse with one flag per field, spelt as Megatron spells it."""
+    parser = argparse.ArgumentParser(description="Megatron-style GPT pretraining", allow_abbrev=False)
+    hints = typing.get_type_hints(PretrainArgs)
+    for f in dataclasses.fields(PretrainArgs):
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        help_ = meta.pop("help")
+        tf = meta.pop("tf", False)
+        kind = hints[f.name]
+        if kind is bool and tf:
+            parser.add_argument(flag, type=_str2bool, default=f.default, metavar="True|False", help=help_)
+        elif kind is bool:
+            parser.add_argument(flag, action="store_true", help=help_)
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, help=help_, **meta)
+    parser.add_argument("--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> PretrainArgs:
+    """Parse a command line; unknown flags exit with argparse's message naming them."""
+    ns = build_parser().parse_args(argv)
+    return PretrainArgs(**vars(ns))
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round the vocabulary up to a multiple of ``divisible_by x tp`` (Megatron's padding)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def parse_split(split: str) -> list[float]:
+    """``"949,50,1"`` -> ``[0.949, 0.05, 0.001]`` (missing parts are 0)."""
+    try:
+        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--split {split!r} must be numbers separated by commas, e.g. 949,50,1") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r} must be 1 to 3 non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
+    """Check arguments against each other and the world size; fill defaults; return the layout.
+
+    Raises ``ValueError`` listing every problem found, before any compute.
+    """
+    errors: list[str] = []
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "train_iters",
+        "lr",
+    ):
+        if getattr(args, name) is None:
+            errors.append(f"--{name.replace('_', '-')} is required")
+    if errors:
+        raise ValueError("; ".join(errors))
+    dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    dims.validate_model(
+        num_layers=args.num_layers, num_attention_heads=args.num_attention_heads, hidden_size=args.hidden_size
+    )
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dims.dp
+    dims.validate_batch(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.hidden_size % args.num_attention_heads:
+        errors.append(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}: head size must be an integer"
+        )
+    if args.seq_length > args.max_position_embeddings:
+        errors.append(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+            f"{args.max_position_embeddings}: raise the latter or shorten the sequence"
+        )
+    if args.fp16 and args.bf16:
+        errors.append("--fp16 and --bf16 were both given: choose one precision")
+    if args.min_lr > args.lr:
+        errors.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        errors.append(
+            f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
+            f"{args.lr_warmup_iters} were both given: choose one"
+        )
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        errors.append(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be within [0, 1]")
+    if args.save_interval is not None and args.save is None:
+        errors.append(f"--save-interval {args.save_interval} was given without --save DIR")
+    if args.load is not None and not os.path.isdir(args.load):
+        errors.append(f"--load {args.load} is not a directory")
+    for name in ("log_interval", "eval_interval"):
+        if getattr(args, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.eval_iters < 0:
+        errors.append(f"--eval-iters {args.eval_iters} must be >= 0")
+    if args.data_path is None:
+        errors.append("--data-path is required: run code/preprocess_data.py first (see its docstring)")
+    elif not (os.path.exists(args.data_path + ".bin") and os.path.exists(args.data_path + ".idx")):
+        errors.append(
+            f"--data-path {args.data_path}: no {args.data_path}.bin/.idx; give the prefix "
+            f"written by preprocess_data.py (it ends in _text_document)"
+        )
+    for name in ("vocab_file", "merge_file"):
+        path = getattr(args, name)
+        if path is None or not os.path.exists(path):
+            errors.append(f"--{name.replace('_', '-')} {path} does not exist: run code/train_tokenizer.py")
+    try:
+        parse_split(args.split)
+    except ValueError as exc:
+        errors.append(str(exc))
+    if args.profile_execution and args.train_iters < 3:
+        errors.append(
+            f"--profile-execution True needs --train-iters >= 3 (1 warm-up + 2 traced), "
+            f"got {args.train_iters}"
+        )
+    if errors:
+        raise ValueError("invalid arguments: " + "; ".join(errors))
+    return dims

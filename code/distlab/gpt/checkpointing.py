@@ -1,0 +1,160 @@
+"""Megatron-layout checkpoints, written atomically, for exact resume.
+
+Layout under ``--save`` (one file per tensor/pipeline rank; data-parallel rank 0 writes it)::
+
+    latest_checkpointed_iteration.txt        "20"
+    iter_0000020/mp_rank_00/model_optim_rng.pt          pp = 1: mp_rank_<tp>
+    iter_0000020/mp_rank_00_001/model_optim_rng.pt      pp > 1: mp_rank_<tp>_<pp>
+
+Atomicity: every rank writes into ``iter_0000020.tmp/``; after a barrier rank 0 renames the folder
+to ``iter_0000020`` and only then replaces the tracker file (write to a temporary name,
+``os.replace``). A job killed at any moment leaves the tracker naming a complete checkpoint.
+
+A checkpoint holds the model, the optimizer, the loss scaler, the RNG states, the iteration and
+the consumed samples; data order is a function of consumed samples, so a resumed run continues the
+same trajectory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.parallel_state import ParallelState
+
+TRACKER = "latest_checkpointed_iteration.txt"
+#: Arguments a checkpoint must agree on to be loaded.
+MUST_MATCH = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+)
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def rank_file(folder: str, state: ParallelState) -> str:
+    sub = (
+        f"mp_rank_{state.tp_rank:02d}"
+        if state.pp == 1
+        else f"mp_rank_{state.tp_rank:02d}_{state.pp_rank:03d}"
+    )
+    return os.path.join(folder, sub, "model_optim_rng.pt")
+
+
+def _rng_state() -> dict:
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _set_rng_state(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def save_checkpoint(
+    args: PretrainArgs,
+    state: ParallelState,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler_state: dict | None,
+    iteration: int,
+    consumed_samples: int,
+) -> str:
+    """Write ``iter_<iteration>`` under ``args.save`` atomically; return its folder."""
+    final = checkpoint_dir(args.save, iteration)
+    tmp = final + ".tmp"
+    if state.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
+    dist.barrier()
+    if state.dp_rank == 0:
+        path = rank_file(tmp, state)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(
+            {
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler_state,
+                "rng": _rng_state(),
+                "args": dataclasses.asdict(args),
+            },
+            path,
+        )
+    dist.barrier()
+    if state.rank == 0:
+        if os.path.exists(final):  # re-saving an iteration: keep the old one until the new is in place
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        tracker_tmp = os.path.join(args.save, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(args.save, TRACKER))
+    dist.barrier()
+    return final
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def load_checkpoint(
+    args: PretrainArgs,
+    state: ParallelState,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> tuple[int, int, dict | None] | None:
+    """Restore from ``args.load``; return ``(iteration, consumed_samples, scaler_state)``, or None
+    when the folder holds no checkpoint yet (a fresh start, as Megatron does)."""
+    iteration = read_tracker(args.load)
+    if iteration is None:
+        return None
+    path = rank_file(checkpoint_dir(args.load, iteration), state)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} is missing: the checkpoint was written with another tensor/pipeline "
+            f"layout than tp={state.tp} pp={state.pp}"
+        )
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    saved = ckpt["args"]
+    diffs = [
+        f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
+        for k in MUST_MATCH
+        if saved.get(k) != getattr(args, k)
+    ]
+    if diffs:
+        raise ValueError(f"checkpoint {path} does not fit this run: " + "; ".join(diffs))
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    _set_rng_state(ckpt["rng"])
+    return ckpt["iteration"], ckpt["consumed_samples"], ckpt["scaler"]

@@ -1,0 +1,57 @@
+"""Pretrain a GPT with Megatron-LM's arguments and log lines (data parallelism; tp/pp: part 2).
+
+Prepare the data once (offline: a tokenizer and a corpus from the Python standard library)::
+
+    python code/train_tokenizer.py --output-dir data/gpt --vocab-size 4096
+    python code/preprocess_data.py --input data/gpt/stdlib_docstrings.jsonl --output-prefix data/gpt/stdlib \\
+        --vocab-file data/gpt/vocab.json --merge-file data/gpt/merges.txt --append-eod
+
+Arguments of a tiny run (``ARGS`` below; global batch 8 = micro 2 x data-parallel 4 x accumulation 1)::
+
+    ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
+      --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 50 \\
+      --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-fraction 0.1 \\
+      --data-path data/gpt/stdlib_text_document --vocab-file data/gpt/vocab.json \\
+      --merge-file data/gpt/merges.txt --split 949,50,1 --log-interval 10 --eval-interval 25 --eval-iters 2"
+
+One process::
+
+    python code/pretrain_gpt.py $ARGS
+
+One node, 4 processes (torchrun; OMP_NUM_THREADS is capped to the usable cores anyway)::
+
+    torchrun --standalone --nproc-per-node=4 code/pretrain_gpt.py $ARGS
+
+Two nodes x 2 processes from Slurm (what the course's sbatch scripts do)::
+
+    srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=2 --rdzv-backend=c10d \\
+        --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT code/pretrain_gpt.py $ARGS
+
+Legacy launcher, run once per node with its --node_rank (it passes --local-rank, accepted)::
+
+    python -m torch.distributed.launch --nproc_per_node=2 --nnodes=2 --node_rank=0 \\
+        --master_addr=node1 --master_port=29500 code/pretrain_gpt.py $ARGS
+
+One srun task per rank, without torchrun (ranks from SLURM_PROCID)::
+
+    srun --ntasks-per-node=2 python code/pretrain_gpt.py $ARGS
+"""
+
+from __future__ import annotations
+
+import sys
+
+from distlab.gpt.pretrain import pretrain
+
+
+def main() -> int:
+    try:
+        pretrain(sys.argv[1:])
+    except (ValueError, NotImplementedError, FileNotFoundError) as exc:
+        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
