@@ -1,0 +1,162 @@
+"""Every collective of ``torch.distributed`` on small, recognisable tensors, with expected results.
+
+Rank ``r`` of a group of ``n`` starts from ``x(r) = [10 r + 1, 10 r + 2]`` (shape (2,)), so each
+result shows where its numbers came from. With n = 4::
+
+    broadcast(src=0)      every rank: x(0)                          = [1, 2]
+    reduce(dst=0, SUM)    rank 0:    x(0) + x(1) + x(2) + x(3)      = [64, 68]
+    all_reduce(SUM)       every rank: the same sum                  = [64, 68]
+    all_reduce(MAX)       every rank: x(3)                          = [31, 32]
+    scatter(src=0)        rank r: chunk r of arange(2n)             = [2r, 2r + 1]
+    gather(dst=0)         rank 0:    stack(x(0..3))                 (4, 2)
+    all_gather            every rank: stack(x(0..3))                (4, 2)
+    reduce_scatter(SUM)   rank r: sum_i chunk r of (arange(2n) + 100 i)
+    all_to_all            rank r: [10 i + r for i]  (the transpose of the input [10 r + j for j])
+    barrier               no data; rank r arrives r x 0.2 s late, everyone leaves with the last
+
+Each demo works on the default group (``group=None``) or on a subgroup made by ``new_group``;
+``rank``/``world`` are then positions inside that group, and ``src``/``dst`` are translated to
+global ranks with ``dist.get_global_rank``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+Outputs = dict[str, torch.Tensor | None]  # label -> this rank's result (None: this rank gets none)
+ALL_REDUCE_OPS = ("SUM", "MAX", "MIN", "PRODUCT")
+BARRIER_DELAY_S = 0.2
+
+
+def x_of(rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Rank ``rank``'s input: ``[10 r + 1, 10 r + 2]``, shape (2,)."""
+    return torch.tensor([10.0 * rank + 1, 10.0 * rank + 2], device=device)
+
+
+def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def broadcast(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+    t = x_of(rank, device)
+    dist.broadcast(t, src=_global(group, 0), group=group)
+    return {"": t}
+
+
+def reduce(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+    t = x_of(rank, device)
+    dist.reduce(t, dst=_global(group, 0), op=dist.ReduceOp.SUM, group=group)
+    return {"": t if rank == 0 else None}  # other ranks' buffers are scratch
+
+
+def all_reduce(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+    out: Outputs = {}
+    for op in ALL_REDUCE_OPS:
+        t = x_of(rank, device)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
+        out[op] = t
+    return out
+
+
+def scatter(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+    out = torch.empty(2, device=device)
+    chunks = list(torch.arange(2.0 * world, device=device).chunk(world)) if rank == 0 else None
+    dist.scatter(out, chunks, src=_global(group, 0), group=group)
+    return {"": out}
+
+
+def gather(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+    bufs = [torch.empty(2, device=device) for _ in range(world)] if rank == 0 else None
+    dist.gather(x_of(rank, device), bufs, dst=_global(group, 0), group=group)
+    return {"": torch.stack(bufs) if bufs is not None else None}
+
+
+def all_gather(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+    bufs = [torch.empty(2, device=device) for _ in range(world)]
+    dist.all_gather(bufs, x_of(rank, device), group=group)
+    return {"": torch.stack(bufs)}  # (world, 2)
+
+
+def reduce_scatter(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+    inp = torch.arange(2.0 * world, device=device) + 100 * rank  # (2 world,)
+    out = torch.empty(2, device=device)
+    dist.reduce_scatter(out, list(inp.chunk(world)), op=dist.ReduceOp.SUM, group=group)
+    return {"": out}
+
+
+def all_to_all(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+    inp = torch.tensor([10.0 * rank + j for j in range(world)], device=device)  # (world,): chunk j -> rank j
+    out = torch.empty(world, device=device)
+    dist.all_to_all_single(out, inp, group=group)
+    return {"": out}
+
+
+def barrier(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+    time.sleep(BARRIER_DELAY_S * rank)
+    t0 = time.perf_counter()
+    dist.barrier(group=group)
+    return {"waited_s": torch.tensor([time.perf_counter() - t0])}
+
+
+DEMOS: dict[str, Callable[..., Outputs]] = {
+    "broadcast": broadcast,
+    "reduce": reduce,
+    "all_reduce": all_reduce,
+    "scatter": scatter,
+    "gather": gather,
+    "all_gather": all_gather,
+    "reduce_scatter": reduce_scatter,
+    "all_to_all": all_to_all,
+    "barrier": barrier,
+}
+
+
+def expected(name: str, rank: int, world: int) -> Outputs:
+    """What ``DEMOS[name]`` must return on group rank ``rank`` of ``world``, computed locally."""
+    xs = torch.stack([x_of(i) for i in range(world)])  # (world, 2)
+    if name == "broadcast":
+        return {"": xs[0]}
+    if name == "reduce":
+        return {"": xs.sum(0) if rank == 0 else None}
+    if name == "all_reduce":
+        return {"SUM": xs.sum(0), "MAX": xs.amax(0), "MIN": xs.amin(0), "PRODUCT": xs.prod(0)}
+    if name == "scatter":
+        return {"": torch.arange(2.0 * world)[2 * rank : 2 * rank + 2]}
+    if name == "gather":
+        return {"": xs if rank == 0 else None}
+    if name == "all_gather":
+        return {"": xs}
+    if name == "reduce_scatter":
+        return {"": sum(torch.arange(2.0 * world)[2 * rank : 2 * rank + 2] + 100 * i for i in range(world))}
+    if name == "all_to_all":
+        return {"": torch.tensor([10.0 * i + rank for i in range(world)])}
+    if name == "barrier":  # the earliest rank waits for the latest one, minus its own delay
+        return {"waited_s": torch.tensor([BARRIER_DELAY_S * (world - 1 - rank)])}
+    raise KeyError(name)
+
+
+def parse_names(spec: str, known: list[str]) -> list[str]:
+    """``"all"`` or a comma list -> names; an unknown name fails with the known ones and a guess."""
+    if spec.strip() == "all":
+        return list(known)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for name in names:
+        if name not in known:
+            guess = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            raise ValueError(f"unknown collective {name!r}{hint}: choose from {', '.join(known)} or 'all'")
+    if not names:
+        raise ValueError(f"no collective given: choose from {', '.join(known)} or 'all'")
+    return names
+
+
+def even_odd_groups(world: int, timeout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``new_group`` for even and for odd ranks. Every rank must create both, in the same order."""
+    evens = dist.new_group(list(range(0, world, 2)), timeout=timeout)
+    odds = dist.new_group(list(range(1, world, 2)), timeout=timeout)
+    return evens, odds
