@@ -39,6 +39,13 @@ def _linear_default_init(weight: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # what nn.Linear does
 
 
+def _mark_partitioned(param: nn.Parameter, dim: int, stride: int = 1) -> None:
+    """Tag a sharded parameter as Megatron does: which dimension is split (for init and checkpoints)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = stride
+
+
 def shard_rows(full: torch.Tensor, p: int, r: int, stride: int = 1) -> torch.Tensor:
     """Rank ``r``'s rows of ``full`` (N, ...) for ``p`` ranks: ``stride`` blocks, each split in ``p``.
 
@@ -103,6 +110,9 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output = group, gather_output
         self.weight = nn.Parameter(torch.empty(out_features // p, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features // p, device=device, dtype=dtype)) if bias else None
+        _mark_partitioned(self.weight, 0, stride)
+        if self.bias is not None:
+            _mark_partitioned(self.bias, 0, stride)
         self.reset_parameters(init_method)
 
     @torch.no_grad()
@@ -165,6 +175,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.input_is_parallel = group, input_is_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // p, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        _mark_partitioned(self.weight, 1)
         self.reset_parameters(init_method)
 
     @torch.no_grad()
@@ -226,6 +237,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)
         )
+        _mark_partitioned(self.weight, 0)
         self.reset_parameters(init_method)
 
     @torch.no_grad()

@@ -1,0 +1,209 @@
+"""GPipe and 1F1B on a toy stack of layers against one process; timeline order and plot.
+
+The toy model has the GPT's shape of problem: a tied matrix W used by the first stage
+(h = x W) and the last (out = h W^T), L tanh-linear layers between, an MSE loss per
+micro-batch. One group of 4 gloo processes runs every layout and schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from distlab.distributed import DistEnv, init_distributed, shutdown
+from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.pipeline_parallel import (
+    P2PSpec,
+    finalize_gradients,
+    forward_backward_pipeline,
+    sync_tied_embedding_,
+)
+from distlab.gpt.pipeline_timeline import (
+    PipelineTimeline,
+    measured_bubble,
+    plot_timelines,
+    save_timeline,
+    theoretical_bubble,
+)
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.testing import assert_close
+
+pytestmark = pytest.mark.timeout(240)
+
+D, L, MB = 8, 4, 2  # width, layers, micro-batch size
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_data(dp: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + m)
+    return torch.randn(dp, m, MB, D, generator=g), torch.randn(dp, m, MB, D, generator=g)
+
+
+def reference(dp: int, m: int) -> tuple[nn.Module, torch.Tensor]:
+    """One process: loss = mean over replicas and micro-batches; returns model and losses (dp, m)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"w": nn.Linear(D, D, bias=False), **{str(i): nn.Linear(D, D) for i in range(L)}})
+    X, Y = make_data(dp, m)
+    losses = torch.zeros(dp, m)
+    for d in range(dp):
+        for i in range(m):
+            h = X[d, i] @ model["w"].weight
+            for j in range(L):
+                h = torch.tanh(model[str(j)](h))
+            losses[d, i] = F.mse_loss(h @ model["w"].weight.T, Y[d, i])
+    losses.mean().backward()
+    return model, losses.detach()
+
+
+class Stage(nn.Module):
+    """Layers [s L/p, (s+1) L/p) and, on the first / last stage, a copy of the tied W."""
+
+    def __init__(self, ref: nn.Module, state: ParallelState, X: torch.Tensor, Y: torch.Tensor) -> None:
+        super().__init__()
+        self.state, self.X, self.Y = state, X, Y
+        per = L // state.pp
+        self.ids = [str(j) for j in range(state.pp_rank * per, (state.pp_rank + 1) * per)]
+        self.layers = nn.ModuleDict({j: nn.Linear(D, D) for j in self.ids})
+        for j in self.ids:
+            self.layers[j].load_state_dict(ref[j].state_dict())
+        self.w = None
+        if state.is_first_stage or state.is_last_stage:
+            self.w = nn.Parameter(torch.zeros(D, D))  # last stage's copy filled by sync_tied_embedding_
+            if state.is_first_stage:
+                self.w.data.copy_(ref["w"].weight)
+
+    def forward(self, x: torch.Tensor | None, i: int) -> torch.Tensor:
+        s = self.state
+        h = self.X[s.dp_rank, i] @ self.w if s.is_first_stage else x
+        for j in self.ids:
+            h = torch.tanh(self.layers[j](h))
+        return F.mse_loss(h @ self.w.T, self.Y[s.dp_rank, i]) if s.is_last_stage else h
+
+
+def order(events: list[dict], stage: int) -> list[str]:
+    return [f"{e['kind']}{e['mb']}" for e in sorted(events, key=lambda e: e["start"]) if e["stage"] == stage]
+
+
+def run_layout(pp: int, m: int, schedule: str, use_ddp: bool, out: Path) -> None:
+    state = ParallelState.build(pp=pp)
+    dp = state.dp
+    ref, ref_losses = reference(dp, m)
+    X, Y = make_data(dp, m)
+    stage = Stage(ref, state, X, Y)
+    sync_tied_embedding_(stage.w, state)
+    module = DDP(stage, process_group=state.dp_group) if use_ddp else stage
+    timeline = PipelineTimeline(state.pp_rank, pp, group=state.pp_group)
+    losses = forward_backward_pipeline(
+        lambda x, i: module(x, i),
+        num_microbatches=m,
+        state=state,
+        schedule=schedule,
+        spec=P2PSpec((MB, D), torch.float32, torch.device("cpu"), timeout_s=60),
+        timeline=timeline,
+        no_sync=module.no_sync if use_ddp else None,
+    )
+    finalize_gradients(stage.parameters(), stage.w, state)
+
+    what = f"pp={pp} dp={dp} m={m} {schedule} ddp={use_ddp} rank {state.rank}"
+    if state.is_last_stage:
+        assert_close(torch.stack(losses), ref_losses[state.dp_rank], msg=lambda s: f"{what}: losses {s}")
+    else:
+        assert losses == [], what
+    for j in stage.ids:
+        assert_close(
+            stage.layers[j].weight.grad, ref[j].weight.grad, msg=lambda s, j=j: f"{what}: layer {j} {s}"
+        )
+        assert_close(stage.layers[j].bias.grad, ref[j].bias.grad)
+    if stage.w is not None:
+        assert_close(stage.w.grad, ref["w"].weight.grad, msg=lambda s: f"{what}: tied W grad {s}")
+
+    tl = timeline.gather()
+    mine = order(tl["events"], state.pp_rank)
+    assert sorted(mine) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]), (what, mine)
+    if schedule == "gpipe":
+        assert mine == [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)], (what, mine)
+    else:  # warm-up forwards, then alternate, then cool-down backwards; few activations alive
+        warm = min(pp - state.pp_rank - 1, m)
+        first = min(warm + 1, m)
+        assert mine[:first] == [f"F{i}" for i in range(first)], (what, mine)
+        alive = peak = 0
+        for ev in mine:
+            alive += 1 if ev[0] == "F" else -1
+            peak = max(peak, alive)
+        assert peak <= min(pp - state.pp_rank, m), (what, mine, peak)
+    assert 0.0 <= tl["measured_bubble"] < 1.0
+    assert tl["theoretical_bubble"] == pytest.approx((pp - 1) / (m + pp - 1))
+    if state.rank == 0:
+        save_timeline(tl, out / f"{schedule}-pp{pp}-m{m}.json")
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    init_distributed(
+        "gloo", timeout_s=60, env=DistEnv(rank, world, rank, world, "127.0.0.1", port, "torchrun")
+    )
+    try:
+        for schedule in ("gpipe", "1f1b"):
+            run_layout(4, 6, schedule, False, Path(out))  # p=4: 1F1B has 3, 2, 1, 0 warm-up forwards
+            run_layout(4, 2, schedule, False, Path(out))  # fewer micro-batches than stages
+            run_layout(2, 4, schedule, True, Path(out))  # pp=2 x dp=2 under DDP.no_sync
+        dist.barrier()
+    finally:
+        shutdown()
+
+
+def test_schedules_match_single_process_and_plot(tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    saved = sorted(tmp_path.glob("*.json"))
+    assert len(saved) == 6
+    png = tmp_path / "timeline.png"
+    plot_timelines([tmp_path / "gpipe-pp4-m6.json", tmp_path / "1f1b-pp4-m6.json"], png)
+    assert png.stat().st_size > 10_000
+    tl = json.loads((tmp_path / "1f1b-pp4-m6.json").read_text())
+    assert len(tl["events"]) == 4 * 2 * 6
+
+
+def test_bubble_formulas() -> None:
+    assert theoretical_bubble(4, 8) == pytest.approx(3 / 11)
+    assert theoretical_bubble(1, 8) == 0.0
+    # An ideal 2-stage, 2-micro-batch GPipe step (t_f = t_b = 1): 4 busy of 6 slots per stage.
+    ev = [
+        {"stage": 0, "start": 0, "end": 1},
+        {"stage": 0, "start": 1, "end": 2},
+        {"stage": 1, "start": 1, "end": 2},
+        {"stage": 1, "start": 2, "end": 3},
+        {"stage": 1, "start": 3, "end": 4},
+        {"stage": 1, "start": 4, "end": 5},
+        {"stage": 0, "start": 4, "end": 5},
+        {"stage": 0, "start": 5, "end": 6},
+    ]
+    assert measured_bubble(ev, 2) == pytest.approx(theoretical_bubble(2, 2))
+    with pytest.raises(ValueError, match="no timeline events"):
+        measured_bubble([], 2)
+
+
+def test_bad_schedule_is_named() -> None:
+    with pytest.raises(
+        ValueError, match="--pipeline-schedule 'zigzag' is unknown: choose one of gpipe, 1f1b"
+    ):
+        forward_backward_pipeline(
+            lambda x, i: x,
+            num_microbatches=1,
+            state=None,
+            spec=P2PSpec((1,), torch.float32, torch.device("cpu")),
+            schedule="zigzag",
+        )
