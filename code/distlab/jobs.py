@@ -32,11 +32,29 @@ ERROR_PATTERN = re.compile(
     r"not found|no such file|refused|timed out",
     re.IGNORECASE,
 )
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
-                "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "SPECIAL_EXIT",
+}
 #: Pending reasons that waiting cannot cure: the request exceeds what the partition offers.
-HOPELESS_REASONS = {"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
-                    "ReqNodeNotAvail", "InvalidQOS", "InvalidAccount", "DependencyNeverSatisfied"}
+HOPELESS_REASONS = {
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "PartitionConfig",
+    "BadConstraints",
+    "ReqNodeNotAvail",
+    "InvalidQOS",
+    "InvalidAccount",
+    "DependencyNeverSatisfied",
+}
 
 
 class JobError(RuntimeError):
@@ -82,8 +100,10 @@ class JobFailed(JobError):
         self.job = job
         errors = job.error_lines()
         tail = job.tail(10)
-        text = [f"job {job.id} ({job.script.name}) ended {job.state} (exit code {job.exit_code}) "
-                f"after {job.elapsed} on {job.nodes or '-'}"]
+        text = [
+            f"job {job.id} ({job.script.name}) ended {job.state} (exit code {job.exit_code}) "
+            f"after {job.elapsed} on {job.nodes or '-'}"
+        ]
         if job.state == "TIMEOUT":
             text.append("it ran past its time limit (--time): shorten the work or raise the limit")
         if job.state == "OUT_OF_MEMORY":
@@ -112,8 +132,10 @@ def _slurm(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
     except FileNotFoundError as e:
         raise JobError(f"{cmd[0]} not found: is Slurm installed here? (`./lab setup`)") from e
     except subprocess.TimeoutExpired as e:
-        raise JobError(f"`{shlex.join(cmd)}` did not answer within {timeout:.0f} s: is slurmctld up? "
-                       "(`./lab cluster status`)") from e
+        raise JobError(
+            f"`{shlex.join(cmd)}` did not answer within {timeout:.0f} s: is slurmctld up? "
+            "(`./lab cluster status`)"
+        ) from e
 
 
 def setup_notebook(folder: str | Path = "jobs") -> Path:
@@ -131,8 +153,10 @@ def setup_notebook(folder: str | Path = "jobs") -> Path:
     print(f"site: {env['LAB_SITE']}   jobs folder: {jobs_dir}")
     print("partition avail nodes state nodelist gres\n" + out.stdout.rstrip())
     if env["LAB_SITE"] == "local":
-        print("local cluster: 2 nodes on this machine; jobs run on the CPU with the gloo backend "
-              "(gpu:2 per node is a scheduling token, not a GPU)")
+        print(
+            "local cluster: 2 nodes on this machine; jobs run on the CPU with the gloo backend "
+            "(gpu:2 per node is a scheduling token, not a GPU)"
+        )
     return jobs_dir
 
 
@@ -175,9 +199,11 @@ def refresh(job: Job) -> Job:
 
 
 def _display(job: Job, tail: int, handle) -> object:
-    text = (f"job {job.id} {job.script.name}: {job.state:<11s} elapsed {job.elapsed}"
-            f"{'  (' + job.reason + ')' if job.state == 'PENDING' and job.reason else ''}"
-            f"{'  on ' + job.nodes if job.nodes else ''}")
+    text = (
+        f"job {job.id} {job.script.name}: {job.state:<11s} elapsed {job.elapsed}"
+        f"{'  (' + job.reason + ')' if job.state == 'PENDING' and job.reason else ''}"
+        f"{'  on ' + job.nodes if job.nodes else ''}"
+    )
     lines = [text, *("  | " + line for line in job.tail(tail))] if tail else [text]
     try:
         from IPython import get_ipython
@@ -208,13 +234,17 @@ def wait(job: Job, timeout: float = 600, poll: float = 1.0, tail: int = 5, check
             break
         if job.state == "PENDING" and job.reason.split(",")[0] in HOPELESS_REASONS:
             _slurm(["scancel", str(job.id)])
-            raise JobError(f"job {job.id} ({job.script.name}) can never start: Slurm says "
-                           f"{job.reason}. Cancelled it; ask for fewer nodes, GPUs or less time "
-                           "(`sinfo` shows what the partition has)")
+            raise JobError(
+                f"job {job.id} ({job.script.name}) can never start: Slurm says "
+                f"{job.reason}. Cancelled it; ask for fewer nodes, GPUs or less time "
+                "(`sinfo` shows what the partition has)"
+            )
         if time.monotonic() > deadline:
             _slurm(["scancel", str(job.id)])
-            raise JobTimeout(f"job {job.id} ({job.script.name}) still {job.state} after {timeout:.0f} s "
-                             f"of waiting: cancelled it. Last lines:\n" + "\n".join(job.tail(10)))
+            raise JobTimeout(
+                f"job {job.id} ({job.script.name}) still {job.state} after {timeout:.0f} s "
+                f"of waiting: cancelled it. Last lines:\n" + "\n".join(job.tail(10))
+            )
         time.sleep(poll)
     # The log may still be flushing on a shared file system: give it a moment.
     for _ in range(10):
@@ -226,8 +256,9 @@ def wait(job: Job, timeout: float = 600, poll: float = 1.0, tail: int = 5, check
     return job
 
 
-def run(script: str | Path, *sbatch_args: str, timeout: float = 600, tail: int = 5,
-        check: bool = True) -> Job:
+def run(
+    script: str | Path, *sbatch_args: str, timeout: float = 600, tail: int = 5, check: bool = True
+) -> Job:
     """Submit ``script`` and wait for it (see :func:`wait`)."""
     return wait(submit(script, *sbatch_args), timeout=timeout, tail=tail, check=check)
 

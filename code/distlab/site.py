@@ -32,7 +32,11 @@ def profile_env(name: str | None = None) -> dict[str, str]:
     base = {"LAB_ROOT": str(REPO_ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     out = subprocess.run(
         ["bash", "-c", f'set -a; source "{path}" >/dev/null && env -0'],
-        env=base, capture_output=True, text=True, check=True, timeout=30,
+        env=base,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
     ).stdout
     env = dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
     changed = {k: v for k, v in env.items() if base.get(k) != v and k not in ("_", "SHLVL", "PWD")}

@@ -139,10 +139,18 @@ def _start_munged(p: ClusterPaths) -> None:
     p.munge_pid.unlink(missing_ok=True)
     p.munge_socket.unlink(missing_ok=True)
     subprocess.run(
-        ["munged", "--force", f"--socket={p.munge_socket}", f"--key-file={p.munge_key}",
-         f"--pid-file={p.munge_pid}", f"--log-file={p.log_dir / 'munged.log'}",
-         f"--seed-file={p.munge_dir / 'munged.seed'}"],
-        check=True, capture_output=True, text=True,
+        [
+            "munged",
+            "--force",
+            f"--socket={p.munge_socket}",
+            f"--key-file={p.munge_key}",
+            f"--pid-file={p.munge_pid}",
+            f"--log-file={p.log_dir / 'munged.log'}",
+            f"--seed-file={p.munge_dir / 'munged.seed'}",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
 
 
@@ -166,8 +174,9 @@ def _wait_for(what: str, ok, timeout: float, log: Path) -> None:
             return
         time.sleep(0.5)
     tail = log.read_text().splitlines()[-10:] if log.exists() else []
-    raise ClusterError(f"{what} did not come up within {timeout:.0f} s; last lines of {log}:\n"
-                       + "\n".join(tail))
+    raise ClusterError(
+        f"{what} did not come up within {timeout:.0f} s; last lines of {log}:\n" + "\n".join(tail)
+    )
 
 
 def _node_states(p: ClusterPaths) -> dict[str, str]:
@@ -191,9 +200,9 @@ def start(p: ClusterPaths | None = None, timeout: float = 90) -> str:
         if not _alive(p.slurmd_pid(name), "slurmd"):
             p.slurmd_pid(name).unlink(missing_ok=True)
             subprocess.run(
-                ["unshare", "--uts", "sh", "-c",
-                 f'hostname {name} && exec slurmd -N {name} -f "{p.conf}"'],
-                env=_env(p), check=True,
+                ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec slurmd -N {name} -f "{p.conf}"'],
+                env=_env(p),
+                check=True,
             )
     up = ("idle", "mixed", "allocated", "completing")
 
@@ -247,11 +256,11 @@ def status(p: ClusterPaths | None = None) -> str:
     """One line per daemon, then ``sinfo`` and ``squeue`` if the controller answers."""
     p = p or local_paths()
     lines = [f"config: {p.conf}"]
-    daemons = [("munged", p.munge_pid), ("slurmctld", p.ctld_pid)]
-    daemons += [("slurmd", p.slurmd_pid(name)) for name, _ in NODES]
-    for (name, pid_file), label in zip(daemons, ["munged", "slurmctld"] + [n for n, _ in NODES]):
-        pid = _alive(pid_file, name)
-        lines.append(f"{label:10s} {'running (pid %d)' % pid if pid else 'stopped'}")
+    daemons = [("munged", "munged", p.munge_pid), ("slurmctld", "slurmctld", p.ctld_pid)]
+    daemons += [(name, "slurmd", p.slurmd_pid(name)) for name, _ in NODES]
+    for label, exe, pid_file in daemons:
+        pid = _alive(pid_file, exe)
+        lines.append(f"{label:10s} {f'running (pid {pid})' if pid else 'stopped'}")
     if _alive(p.ctld_pid, "slurmctld"):
         lines += [_run(["sinfo"], p, check=False).rstrip(), _run(["squeue"], p, check=False).rstrip()]
     return "\n".join(lines)
@@ -259,8 +268,7 @@ def status(p: ClusterPaths | None = None) -> str:
 
 def is_up(p: ClusterPaths | None = None) -> bool:
     p = p or local_paths()
-    return bool(_alive(p.ctld_pid, "slurmctld")) and all(
-        _alive(p.slurmd_pid(n), "slurmd") for n, _ in NODES)
+    return bool(_alive(p.ctld_pid, "slurmctld")) and all(_alive(p.slurmd_pid(n), "slurmd") for n, _ in NODES)
 
 
 def reset(p: ClusterPaths | None = None) -> str:

@@ -55,34 +55,46 @@ class ParallelDims:
         return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return [
+            [self.rank_of(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)
+        ]
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        return [
+            [self.rank_of(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)
+        ]
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return [
+            [self.rank_of(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
+        ]
 
     def validate_model(self, *, num_layers: int, num_attention_heads: int, hidden_size: int) -> None:
         """Heads and hidden size must split over ``tp``, layers over ``pp``."""
         errors = []
         if num_attention_heads % self.tp:
-            errors.append(f"--num-attention-heads {num_attention_heads} is not divisible by "
-                          f"--tensor-model-parallel-size {self.tp}")
+            errors.append(
+                f"--num-attention-heads {num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {self.tp}"
+            )
         if hidden_size % self.tp:
-            errors.append(f"--hidden-size {hidden_size} is not divisible by "
-                          f"--tensor-model-parallel-size {self.tp}")
+            errors.append(
+                f"--hidden-size {hidden_size} is not divisible by --tensor-model-parallel-size {self.tp}"
+            )
         if num_layers % self.pp:
-            errors.append(f"--num-layers {num_layers} is not divisible by "
-                          f"--pipeline-model-parallel-size {self.pp}")
+            errors.append(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {self.pp}"
+            )
         if errors:
             raise ValueError("; ".join(errors) + ": change the model size or the parallel layout")
 
     def validate_batch(self, *, global_batch_size: int, micro_batch_size: int) -> int:
         """Return gradient-accumulation steps: ``global = micro x dp x accumulation``."""
         if micro_batch_size < 1 or global_batch_size < 1:
-            raise ValueError(f"--micro-batch-size {micro_batch_size} and --global-batch-size "
-                             f"{global_batch_size} must both be >= 1")
+            raise ValueError(
+                f"--micro-batch-size {micro_batch_size} and --global-batch-size "
+                f"{global_batch_size} must both be >= 1"
+            )
         per_step = micro_batch_size * self.dp
         if global_batch_size % per_step:
             raise ValueError(
@@ -110,8 +122,11 @@ class ParallelState:
         world, rank = dist.get_world_size(), dist.get_rank()
         dims = ParallelDims(world, tp, pp)
         state = cls(dims=dims, rank=rank)
-        for attr, groups in (("tp_group", dims.tp_groups()), ("dp_group", dims.dp_groups()),
-                             ("pp_group", dims.pp_groups())):
+        for attr, groups in (
+            ("tp_group", dims.tp_groups()),
+            ("dp_group", dims.dp_groups()),
+            ("pp_group", dims.pp_groups()),
+        ):
             for ranks in groups:
                 group = dist.new_group(ranks)
                 if rank in ranks:
@@ -161,5 +176,7 @@ class ParallelState:
 
     def banner(self) -> str:
         """Megatron's start-up line, which the notebooks grep."""
-        return (f"using world size: {self.dims.world_size}, data-parallel-size: {self.dp}, "
-                f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}")
+        return (
+            f"using world size: {self.dims.world_size}, data-parallel-size: {self.dp}, "
+            f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}"
+        )

@@ -1,0 +1,74 @@
+"""Start, stop and restart of a second, private instance of the local cluster.
+
+It runs beside the main one (own folder, own ports), so the tests never disturb running work.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from distlab.cluster import ClusterPaths, daemons
+from tests.conftest import cluster_available, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def private_cluster(tmp_path, monkeypatch):
+    if os.geteuid() != 0 or not cluster_available():
+        pytest.skip("needs root and the Slurm packages (./lab setup)")
+    monkeypatch.setenv("LAB_CLUSTER_DIR", str(tmp_path / "cluster"))
+    base = free_port()
+    while any(daemons._port_busy(base + i) for i in range(3)):
+        base = free_port()
+    paths = ClusterPaths(root=tmp_path / "cluster", port_base=base)
+    yield paths
+    daemons.stop(paths)
+
+
+def srun_hostnames(paths: ClusterPaths) -> list[str]:
+    out = subprocess.run(
+        ["srun", "-N2", "hostname"],
+        env={**os.environ, "SLURM_CONF": str(paths.conf)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return sorted(out.stdout.split())
+
+
+def test_start_stop_restart_are_safe_to_repeat(private_cluster):
+    paths = private_cluster
+    assert "idle node[1-2]" in daemons.start(paths)
+    assert "idle node[1-2]" in daemons.start(paths)  # second start: checks and returns
+    assert srun_hostnames(paths) == ["node1", "node2"]
+    assert daemons.is_up(paths)
+    assert "stopped" in daemons.stop(paths)
+    assert not daemons.is_up(paths)
+    daemons.stop(paths)  # stopping twice is harmless
+    assert "slurmctld  stopped" in daemons.status(paths)
+    assert "idle node[1-2]" in daemons.start(paths)  # restart keeps the key and the state
+    assert srun_hostnames(paths) == ["node1", "node2"]
+
+
+def test_stale_pid_files_are_ignored(private_cluster):
+    paths = private_cluster
+    paths.root.mkdir(parents=True)
+    paths.ctld_pid.write_text("999999\n")  # a daemon that died without cleaning up
+    assert "idle node[1-2]" in daemons.start(paths)
+
+
+def test_port_held_by_another_program_is_reported(private_cluster):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", private_cluster.ctld_port))
+        s.listen()
+        with pytest.raises(
+            daemons.ClusterError, match=rf"port\(s\) \[{private_cluster.ctld_port}\].*LAB_CLUSTER_PORT"
+        ):
+            daemons.start(private_cluster)

@@ -1,0 +1,109 @@
+"""The local cluster runs real jobs, and the job helpers report what happened to them."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from distlab import jobs
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def write_job(folder: Path, name: str, body: str, *sbatch: str) -> Path:
+    header = [f"#SBATCH --job-name={name}", f"#SBATCH --output={folder}/%x-%j.out", *sbatch]
+    script = folder / f"{name}.sbatch"
+    script.write_text(
+        "#!/bin/bash\n" + "\n".join(header) + "\n"
+        'source "$LAB_ROOT/sites/job-env.sh"\n' + textwrap.dedent(body)
+    )
+    return script
+
+
+def test_two_node_job_runs_on_both_nodes(slurm_cluster, tmp_path):
+    script = write_job(
+        tmp_path, "two-nodes", "srun hostname\n", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1"
+    )
+    job = jobs.run(script, timeout=120)
+    assert job.state == "COMPLETED"
+    assert sorted(line.strip() for line in job.grep(r"^node\d$")) == ["node1", "node2"]
+    assert job.grep(r"site=local backend=gloo procs/node=2 master=node1:")
+
+
+def test_srun_torchrun_rendezvous_across_nodes(slurm_cluster, tmp_path):
+    """The launch line every notebook uses: 2 nodes x 2 processes meet through c10d."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        textwrap.dedent("""
+        import socket, torch.distributed as dist
+        from distlab.distributed import init_distributed
+        ctx = init_distributed()
+        names = [None] * ctx.world_size
+        dist.all_gather_object(names, socket.gethostname())
+        print(f"rank {ctx.rank}/{ctx.world_size} on {socket.gethostname()} backend {ctx.backend} sees {names}")
+        dist.destroy_process_group()
+    """)
+    )
+    script = write_job(
+        tmp_path,
+        "rdzv",
+        f"""
+        srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=$LAB_PROCS_PER_NODE \\
+            --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT {probe}
+    """,
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+    )
+    job = jobs.run(script, timeout=180)
+    lines = job.grep(r"^rank \d/4")
+    assert len(lines) == 4
+    assert all("['node1', 'node1', 'node2', 'node2']" in line for line in lines)
+
+
+def test_gres_request_is_granted_and_bounded(slurm_cluster, tmp_path):
+    script = write_job(
+        tmp_path,
+        "gres",
+        'echo "gpus=$CUDA_VISIBLE_DEVICES"\n',
+        "#SBATCH --gpus-per-node=2",
+        "#SBATCH --cpus-per-task=32",
+    )
+    job = jobs.run(script, timeout=60)
+    assert job.grep(r"^gpus=0,1$")
+    with pytest.raises(jobs.JobError, match="sbatch refused"):
+        jobs.submit(script, "--gpus-per-node=3")
+
+
+def test_failing_job_shows_its_own_error(slurm_cluster, tmp_path):
+    script = write_job(tmp_path, "fails", "python -c \"raise ValueError('bad learning rate -1')\"\n")
+    with pytest.raises(jobs.JobFailed) as err:
+        jobs.run(script, timeout=60)
+    assert err.value.job.state == "FAILED"
+    assert "ValueError: bad learning rate -1" in str(err.value)
+    assert "exit code 1:0" in str(err.value)
+
+
+def test_sbatch_error_is_shown(slurm_cluster, tmp_path):
+    script = write_job(tmp_path, "bad-option", "true\n", "#SBATCH --nodes=7")
+    with pytest.raises(jobs.JobError, match="Node count specification invalid"):
+        jobs.submit(script)
+
+
+def test_timed_out_job_is_reported_as_timeout(slurm_cluster, tmp_path):
+    script = write_job(tmp_path, "too-long", "echo started; sleep 600\n")
+    # On the command line: it beats the site profile's SBATCH_TIMELIMIT, which beats #SBATCH lines.
+    with pytest.raises(jobs.JobFailed) as err:
+        jobs.run(script, "--time=00:01:00", timeout=200)
+    assert err.value.job.state == "TIMEOUT"
+    assert "time limit" in str(err.value)
+    assert "started" in str(err.value)  # the log tail comes with it
+
+
+def test_wait_has_a_timeout_and_cancels(slurm_cluster, tmp_path):
+    script = write_job(tmp_path, "waits", "sleep 600\n")
+    job = jobs.submit(script)
+    with pytest.raises(jobs.JobTimeout, match="cancelled it"):
+        jobs.wait(job, timeout=3)
+    assert jobs.wait(job, timeout=60, check=False).state == "CANCELLED"
