@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -36,15 +35,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
+from tests.conftest import free_port
+
 pytestmark = pytest.mark.timeout(240)
 
 D, L, MB = 8, 4, 2  # width, layers, micro-batch size
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_data(dp: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,6 @@ check raises in its rank and ``torch.multiprocessing.spawn`` re-raises it here.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -28,15 +27,11 @@ from distlab.gpt.tp_communications import gather_from_tensor_parallel
 from torch import nn
 from torch.testing import assert_close
 
+from tests.conftest import free_port
+
 pytestmark = pytest.mark.timeout(180)
 
 B, T, H, FF, V = 2, 3, 8, 16, 12  # tiny: batch, sequence, hidden, MLP width, vocabulary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(rank: int, world: int, port: int) -> None:
