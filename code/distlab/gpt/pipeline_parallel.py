@@ -90,6 +90,7 @@ def _communicate(
         (send_prev, state.pp_rank - 1, not state.is_first_stage),
     ):
         if tensor is not None and ok:
+            tensor = tensor.to(spec.dtype)  # autocast may leave a half-precision activation
             if tuple(tensor.shape) != tuple(spec.shape):
                 raise ValueError(
                     f"pipeline stage {state.pp_rank} sends shape {tuple(tensor.shape)} but "
@@ -106,7 +107,7 @@ def _forward(
     step: StageStep,
     x: torch.Tensor | None,
     i: int,
-    m: int,
+    scale: float,
     losses: list[torch.Tensor],
     state: ParallelState,
     timeline: PipelineTimeline | None,
@@ -119,7 +120,7 @@ def _forward(
         if y.dim() != 0:
             raise ValueError(f"the last stage's step must return a scalar loss, got shape {tuple(y.shape)}")
         losses.append(y.detach())
-        y = y / m  # the batch loss is the mean over micro-batches
+        y = y * scale  # loss_scale / m: the batch loss is the mean over micro-batches
     return y
 
 
@@ -136,14 +137,20 @@ def _backward(
 
 
 def run_gpipe(
-    step: StageStep, m: int, state: ParallelState, spec: P2PSpec, timeline: PipelineTimeline | None = None
+    step: StageStep,
+    m: int,
+    state: ParallelState,
+    spec: P2PSpec,
+    timeline: PipelineTimeline | None = None,
+    loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """All m forwards, then all m backwards (in micro-batch order); losses on the last stage."""
+    scale = loss_scale / m
     losses: list[torch.Tensor] = []
     saved = []
     for i in range(m):
         x, _ = _communicate(state, spec, recv_prev=True)
-        y = _forward(step, x, i, m, losses, state, timeline)
+        y = _forward(step, x, i, scale, losses, state, timeline)
         _communicate(state, spec, send_next=y)
         saved.append((x, y))
     for i in range(m):
@@ -156,21 +163,27 @@ def run_gpipe(
 
 
 def run_1f1b(
-    step: StageStep, m: int, state: ParallelState, spec: P2PSpec, timeline: PipelineTimeline | None = None
+    step: StageStep,
+    m: int,
+    state: ParallelState,
+    spec: P2PSpec,
+    timeline: PipelineTimeline | None = None,
+    loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """Warm-up forwards, then one forward / one backward, then cool-down backwards."""
     warmup = min(state.pp - state.pp_rank - 1, m)  # forwards in flight before the first backward
     steady = m - warmup
+    scale = loss_scale / m
     losses: list[torch.Tensor] = []
     saved: deque = deque()
     for i in range(warmup):
         x, _ = _communicate(state, spec, recv_prev=True)
-        y = _forward(step, x, i, m, losses, state, timeline)
+        y = _forward(step, x, i, scale, losses, state, timeline)
         _communicate(state, spec, send_next=y)
         saved.append((x, y))
     x = _communicate(state, spec, recv_prev=True)[0] if steady else None
     for j in range(steady):
-        y = _forward(step, x, warmup + j, m, losses, state, timeline)
+        y = _forward(step, x, warmup + j, scale, losses, state, timeline)
         _, dy = _communicate(state, spec, send_next=y, recv_next=True)  # F_{w+j} out, dB_j in
         saved.append((x, y))
         x_b, y_b = saved.popleft()
@@ -194,11 +207,13 @@ def forward_backward_pipeline(
     schedule: str = "1f1b",
     timeline: PipelineTimeline | None = None,
     no_sync: Callable[[], AbstractContextManager] | None = None,
+    loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """Run one batch through this rank's stage; gradients accumulate in ``.grad``.
 
-    Returns the m per-micro-batch losses (detached) on the last stage, ``[]`` elsewhere.
-    ``no_sync`` is DDP's ``model.no_sync`` (see the module docstring); call
+    Back-propagates ``loss_i x loss_scale / m`` per micro-batch (``loss_scale``: fp16's scale).
+    Returns the m per-micro-batch losses (detached, unscaled) on the last stage, ``[]``
+    elsewhere. ``no_sync`` is DDP's ``model.no_sync`` (see the module docstring); call
     :func:`finalize_gradients` afterwards.
     """
     if schedule not in SCHEDULES:
@@ -209,7 +224,78 @@ def forward_backward_pipeline(
     if timeline is not None:
         timeline.start_step(schedule, num_microbatches)
     with no_sync() if no_sync is not None else nullcontext():
-        return run(step, num_microbatches, state, spec, timeline)
+        return run(step, num_microbatches, state, spec, timeline, loss_scale)
+
+
+@torch.no_grad()
+def forward_only_pipeline(
+    step: StageStep, *, num_microbatches: int, state: ParallelState, spec: P2PSpec
+) -> list[torch.Tensor]:
+    """Evaluation: forwards only, each sent on at once; the losses on the last stage."""
+    losses: list[torch.Tensor] = []
+    for i in range(num_microbatches):
+        x, _ = _communicate(state, spec, recv_prev=True)
+        y = step(x, i)
+        if state.is_last_stage:
+            losses.append(y.detach())
+        _communicate(state, spec, send_next=y)
+    return losses
+
+
+def make_forward_backward(
+    state: ParallelState, spec: P2PSpec, *, schedule: str = "1f1b", timeline: PipelineTimeline | None = None
+) -> Callable[..., torch.Tensor]:
+    """A drop-in for ``training.forward_backward`` when pp > 1, for a stage model with
+    ``set_input_tensor(x)``, ``output_embedding()`` and ``forward(tokens, labels)`` returning
+    per-token losses (B, T) on the last stage and hidden states (B, T, H) elsewhere.
+
+    The returned function takes (model, batches, *, loss_scale, autocast, forward_only), runs the
+    schedule, then :func:`finalize_gradients` (tied embedding, then data parallel: ``model`` may
+    be DDP, whose reduction is switched off by ``no_sync``), and returns the mean micro-batch
+    loss on the last stage (zero elsewhere; ``training.reduce_loss`` broadcasts it).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--pipeline-schedule {schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
+
+    def forward_backward(
+        model: torch.nn.Module,
+        batches: list,
+        *,
+        loss_scale: float = 1.0,
+        autocast: Callable[[], AbstractContextManager] = nullcontext,
+        forward_only: bool = False,
+    ) -> torch.Tensor:
+        module = getattr(model, "module", model)  # under DDP
+
+        def step(x: torch.Tensor | None, i: int) -> torch.Tensor:
+            module.set_input_tensor(x)
+            tokens, labels = batches[i]
+            with autocast():
+                out = model(tokens, labels)
+            return out.float().mean() if state.is_last_stage else out  # (B, T) loss or (B, T, H)
+
+        m = len(batches)
+        if forward_only:
+            losses = forward_only_pipeline(step, num_microbatches=m, state=state, spec=spec)
+        else:
+            losses = forward_backward_pipeline(
+                step,
+                num_microbatches=m,
+                state=state,
+                spec=spec,
+                schedule=schedule,
+                timeline=timeline,
+                loss_scale=loss_scale,
+                no_sync=getattr(model, "no_sync", None),
+            )
+            tied = module.output_embedding() if state.is_first_stage or state.is_last_stage else None
+            finalize_gradients(list(module.parameters()), tied, state)
+        module.set_input_tensor(None)
+        if losses:
+            return torch.stack(losses).float().mean()
+        return torch.zeros((), dtype=torch.float32, device=spec.device)
+
+    return forward_backward
 
 
 @torch.no_grad()
