@@ -138,7 +138,7 @@ def _slurm(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
         ) from e
 
 
-def setup_notebook(folder: str | Path = "jobs") -> Path:
+def setup_notebook(folder: str | Path = "jobs") -> None:
     """Prepare a notebook's session: job folder, site environment, and a look at the cluster."""
     jobs_dir = Path(folder).resolve()
     jobs_dir.mkdir(parents=True, exist_ok=True)
