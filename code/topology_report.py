@@ -17,7 +17,9 @@ from distlab.topology import collect
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for <hostname>.json")
     args = parser.parse_args()
     report = collect()
@@ -25,8 +27,10 @@ def main() -> None:
     path = args.out / f"{report['hostname']}.json"
     path.write_text(json.dumps(report, indent=1))
     gpus = len(report["gpus"])
-    print(f"{report['hostname']}: {gpus} GPU(s), {report['cpu'].get('CPU(s)')} CPUs, "
-          f"{report['cpu'].get('NUMA node(s)')} NUMA node(s) -> {path}")
+    print(
+        f"{report['hostname']}: {gpus} GPU(s), {report['cpu'].get('CPU(s)')} CPUs, "
+        f"{report['cpu'].get('NUMA node(s)')} NUMA node(s) -> {path}"
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from distlab.topology import (
     EXAMPLE_TOPO as TOPO,
+)
+from distlab.topology import (
     collect,
     compare,
     format_table,
@@ -9,7 +11,6 @@ from distlab.topology import (
     parse_topo_affinity,
     parse_topo_matrix,
 )
-
 
 
 def test_matrix_is_parsed_row_by_column():

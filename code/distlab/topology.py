@@ -82,11 +82,11 @@ def parse_topo_matrix(text: str) -> dict[str, dict[str, str]]:
         return {}
     columns = [c for c in lines[header_at].split() if DEVICE.match(c)]
     matrix = {}
-    for line in lines[header_at + 1:]:
+    for line in lines[header_at + 1 :]:
         cells = line.split()
         if not cells or not DEVICE.match(cells[0]) or len(cells) < len(columns) + 1:
             break
-        matrix[cells[0]] = dict(zip(columns, cells[1:len(columns) + 1], strict=True))
+        matrix[cells[0]] = dict(zip(columns, cells[1 : len(columns) + 1], strict=True))
     return matrix
 
 
@@ -98,26 +98,42 @@ def parse_topo_affinity(text: str) -> dict[str, dict[str, str]]:
         return {}
     n_dev = len([c for c in lines[header_at].split() if DEVICE.match(c)])
     out = {}
-    for line in lines[header_at + 1:header_at + 1 + n_dev]:
+    for line in lines[header_at + 1 : header_at + 1 + n_dev]:
         cells = line.split()
         if cells[0].startswith("GPU"):
-            rest = cells[1 + n_dev:]
-            out[cells[0]] = {"cpu_affinity": rest[0] if rest else "", "numa_affinity": rest[1] if len(rest) > 1 else ""}
+            rest = cells[1 + n_dev :]
+            out[cells[0]] = {
+                "cpu_affinity": rest[0] if rest else "",
+                "numa_affinity": rest[1] if len(rest) > 1 else "",
+            }
     return out
 
 
 def _gpus() -> list[dict[str, str]]:
     fields = "index,name,memory.total,pci.bus_id,driver_version"
     text = _run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"])
-    return [dict(zip(fields.split(","), (c.strip() for c in line.split(",")), strict=False))
-            for line in text.splitlines() if line.strip()]
+    return [
+        dict(zip(fields.split(","), (c.strip() for c in line.split(",")), strict=False))
+        for line in text.splitlines()
+        if line.strip()
+    ]
 
 
 def _cpu() -> dict[str, object]:
     data = json.loads(_run(["lscpu", "-J"]) or '{"lscpu": []}')
     flat = {item["field"].rstrip(":"): item.get("data") for item in data.get("lscpu", [])}
-    keep = ["Architecture", "Model name", "CPU(s)", "Thread(s) per core", "Core(s) per socket",
-            "Socket(s)", "NUMA node(s)", "L1d cache", "L2 cache", "L3 cache"]
+    keep = [
+        "Architecture",
+        "Model name",
+        "CPU(s)",
+        "Thread(s) per core",
+        "Core(s) per socket",
+        "Socket(s)",
+        "NUMA node(s)",
+        "L1d cache",
+        "L2 cache",
+        "L3 cache",
+    ]
     info: dict[str, object] = {k: flat.get(k) for k in keep if flat.get(k)}
     numa = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
     info["numa_cpus"] = {n.name: (n / "cpulist").read_text().strip() for n in numa}
@@ -158,8 +174,17 @@ def matrix_rows(matrix: dict[str, dict[str, str]]) -> list[tuple[str, ...]]:
 
 def compare(reports: list[dict[str, object]]) -> list[tuple[str, ...]]:
     """Rows ``(fact, value on node 1, value on node 2, ...)`` for a side-by-side table."""
-    keys = ["Model name", "CPU(s)", "Socket(s)", "Core(s) per socket", "Thread(s) per core",
-            "NUMA node(s)", "L2 cache", "L3 cache", "usable_cpus"]
+    keys = [
+        "Model name",
+        "CPU(s)",
+        "Socket(s)",
+        "Core(s) per socket",
+        "Thread(s) per core",
+        "NUMA node(s)",
+        "L2 cache",
+        "L3 cache",
+        "usable_cpus",
+    ]
     rows = [("host", *(str(r["hostname"]) for r in reports))]
     rows.append(("GPUs", *(str(len(r["gpus"])) for r in reports)))
     rows += [(k, *(str(r["cpu"].get(k, "-")) for r in reports)) for k in keys]

@@ -1,0 +1,69 @@
+"""The repository's own conventions: one set of pins, clean notebooks, lint, ignored outputs."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from distlab import REPO_ROOT
+
+
+def pins(lines: list[str]) -> dict[str, str]:
+    found = {}
+    for line in lines:
+        m = re.match(r"^\s*(?:-\s+)?([A-Za-z0-9_.\-]+)==([^\s#]+)", line)
+        if m:
+            found[m.group(1).lower()] = m.group(2)
+    return found
+
+
+def test_environment_yml_pins_match_requirements():
+    req = pins((REPO_ROOT / "requirements.txt").read_text().splitlines())
+    env = pins((REPO_ROOT / "environment.yml").read_text().splitlines())
+    assert req, "requirements.txt pins nothing"
+    assert env == req, f"environment.yml and requirements.txt disagree: {set(env.items()) ^ set(req.items())}"
+
+
+def notebooks() -> list:
+    return sorted([*REPO_ROOT.glob("notebooks/*.ipynb"), *REPO_ROOT.glob("solutions/*.ipynb")])
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: p.name)
+def test_notebook_is_committed_clean(path):
+    nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert not [c for c in code if c.get("outputs") or c.get("execution_count")], "strip the outputs"
+    assert set(nb["metadata"]) <= {"kernelspec", "language_info"}, f"extra metadata {set(nb['metadata'])}"
+    if path.parent.name == "notebooks":
+        assert "jobs.setup_notebook()" in "".join(code[0]["source"]), "first cell: jobs.setup_notebook()"
+
+
+def test_every_notebook_is_numbered_and_solutions_match():
+    names = [p.stem for p in REPO_ROOT.glob("notebooks/*.ipynb")]
+    assert all(re.match(r"^\d\d_", n) for n in names), names
+    for sol in REPO_ROOT.glob("solutions/*.ipynb"):
+        assert any(sol.stem.startswith(n[:3]) for n in names), f"{sol.name} solves no notebook"
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff") or str(REPO_ROOT / ".venv" / "bin" / "ruff")
+    folders = [d for d in ("code", "tests", "benchmarks") if (REPO_ROOT / d).is_dir()]
+    out = subprocess.run([ruff, "check", *folders], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_generated_folders_are_ignored():
+    probe = [
+        "notebooks/jobs/x.out",
+        "solutions/jobs/x.sbatch",
+        "data/cifar-10-batches-py/data_batch_1",
+        "runs/tb/events",
+        ".lab/cluster/slurm.conf",
+        ".venv/bin/python",
+    ]
+    out = subprocess.run(["git", "check-ignore", *probe], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert sorted(out.stdout.split()) == sorted(probe)
