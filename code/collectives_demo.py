@@ -26,6 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
+
 from distlab.comm import collectives as col
 from distlab.comm import launch
 from distlab.comm.ring import ring_all_reduce
@@ -40,9 +41,10 @@ def _fmt(t: torch.Tensor | None) -> str:
 
 def run_demo(ctx: DistContext, name: str, group=None, tag: str = "") -> None:
     """Run one demo on ``group``, print this rank's result and whether it is right."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    outputs = col.DEMOS[name](rank, world, ctx.device, group)
-    wanted = col.expected(name, rank, world)
+    rank = dist.get_rank(group)
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(ctx.world_size))
+    outputs = col.DEMOS[name](ctx.device, group)
+    wanted = col.expected(name, rank, members)
     for label, out in outputs.items():
         want = wanted[label]
         title = f"{tag}{name}" + (f"({label})" if label and name != "barrier" else "")

@@ -14,9 +14,11 @@ result shows where its numbers came from. With n = 4::
     all_to_all            rank r: [10 i + r for i]  (the transpose of the input [10 r + j for j])
     barrier               no data; rank r arrives r x 0.2 s late, everyone leaves with the last
 
-Each demo works on the default group (``group=None``) or on a subgroup made by ``new_group``;
-``rank``/``world`` are then positions inside that group, and ``src``/``dst`` are translated to
-global ranks with ``dist.get_global_rank``.
+Each demo runs on the default group (``group=None``) or on a subgroup made by ``new_group``.
+Inputs always follow the *global* rank (rank 3 holds ``x(3)`` in any group); positions (which
+chunk, who is the root) follow the rank *inside* the group, and the root is translated to its
+global rank with ``dist.get_global_rank``. In the even group [0, 2] all_reduce(SUM) gives
+``x(0) + x(2) = [22, 24]``.
 """
 
 from __future__ import annotations
@@ -34,70 +36,79 @@ BARRIER_DELAY_S = 0.2
 
 
 def x_of(rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Rank ``rank``'s input: ``[10 r + 1, 10 r + 2]``, shape (2,)."""
+    """Global rank ``rank``'s input: ``[10 r + 1, 10 r + 2]``, shape (2,)."""
     return torch.tensor([10.0 * rank + 1, 10.0 * rank + 2], device=device)
 
 
-def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+def _where(group) -> tuple[int, int, int, int]:
+    """``(group rank, group size, global rank, global rank of group rank 0)``."""
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+    return dist.get_rank(group), dist.get_world_size(group), dist.get_rank(), root
 
 
-def broadcast(rank: int, world: int, device: torch.device, group=None) -> Outputs:
-    t = x_of(rank, device)
-    dist.broadcast(t, src=_global(group, 0), group=group)
+def broadcast(device: torch.device, group=None) -> Outputs:
+    _, _, me, root = _where(group)
+    t = x_of(me, device)
+    dist.broadcast(t, src=root, group=group)
     return {"": t}
 
 
-def reduce(rank: int, world: int, device: torch.device, group=None) -> Outputs:
-    t = x_of(rank, device)
-    dist.reduce(t, dst=_global(group, 0), op=dist.ReduceOp.SUM, group=group)
+def reduce(device: torch.device, group=None) -> Outputs:
+    rank, _, me, root = _where(group)
+    t = x_of(me, device)
+    dist.reduce(t, dst=root, op=dist.ReduceOp.SUM, group=group)
     return {"": t if rank == 0 else None}  # other ranks' buffers are scratch
 
 
-def all_reduce(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+def all_reduce(device: torch.device, group=None) -> Outputs:
     out: Outputs = {}
     for op in ALL_REDUCE_OPS:
-        t = x_of(rank, device)
+        t = x_of(dist.get_rank(), device)
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
         out[op] = t
     return out
 
 
-def scatter(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+def scatter(device: torch.device, group=None) -> Outputs:
+    rank, world, _, root = _where(group)
     out = torch.empty(2, device=device)
     chunks = list(torch.arange(2.0 * world, device=device).chunk(world)) if rank == 0 else None
-    dist.scatter(out, chunks, src=_global(group, 0), group=group)
+    dist.scatter(out, chunks, src=root, group=group)
     return {"": out}
 
 
-def gather(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+def gather(device: torch.device, group=None) -> Outputs:
+    rank, world, me, root = _where(group)
     bufs = [torch.empty(2, device=device) for _ in range(world)] if rank == 0 else None
-    dist.gather(x_of(rank, device), bufs, dst=_global(group, 0), group=group)
-    return {"": torch.stack(bufs) if bufs is not None else None}
+    dist.gather(x_of(me, device), bufs, dst=root, group=group)
+    return {"": torch.stack(bufs) if bufs is not None else None}  # (world, 2) on the root
 
 
-def all_gather(rank: int, world: int, device: torch.device, group=None) -> Outputs:
+def all_gather(device: torch.device, group=None) -> Outputs:
+    _, world, me, _ = _where(group)
     bufs = [torch.empty(2, device=device) for _ in range(world)]
-    dist.all_gather(bufs, x_of(rank, device), group=group)
+    dist.all_gather(bufs, x_of(me, device), group=group)
     return {"": torch.stack(bufs)}  # (world, 2)
 
 
-def reduce_scatter(rank: int, world: int, device: torch.device, group=None) -> Outputs:
-    inp = torch.arange(2.0 * world, device=device) + 100 * rank  # (2 world,)
+def reduce_scatter(device: torch.device, group=None) -> Outputs:
+    _, world, me, _ = _where(group)
+    inp = torch.arange(2.0 * world, device=device) + 100 * me  # (2 world,)
     out = torch.empty(2, device=device)
     dist.reduce_scatter(out, list(inp.chunk(world)), op=dist.ReduceOp.SUM, group=group)
     return {"": out}
 
 
-def all_to_all(rank: int, world: int, device: torch.device, group=None) -> Outputs:
-    inp = torch.tensor([10.0 * rank + j for j in range(world)], device=device)  # (world,): chunk j -> rank j
+def all_to_all(device: torch.device, group=None) -> Outputs:
+    _, world, me, _ = _where(group)
+    inp = torch.tensor([10.0 * me + j for j in range(world)], device=device)  # (world,): chunk j -> rank j
     out = torch.empty(world, device=device)
     dist.all_to_all_single(out, inp, group=group)
     return {"": out}
 
 
-def barrier(rank: int, world: int, device: torch.device, group=None) -> Outputs:
-    time.sleep(BARRIER_DELAY_S * rank)
+def barrier(device: torch.device, group=None) -> Outputs:
+    time.sleep(BARRIER_DELAY_S * dist.get_rank(group))
     t0 = time.perf_counter()
     dist.barrier(group=group)
     return {"waited_s": torch.tensor([time.perf_counter() - t0])}
@@ -116,9 +127,14 @@ DEMOS: dict[str, Callable[..., Outputs]] = {
 }
 
 
-def expected(name: str, rank: int, world: int) -> Outputs:
-    """What ``DEMOS[name]`` must return on group rank ``rank`` of ``world``, computed locally."""
-    xs = torch.stack([x_of(i) for i in range(world)])  # (world, 2)
+def expected(name: str, rank: int, members: list[int]) -> Outputs:
+    """What ``DEMOS[name]`` must return on group rank ``rank`` of the group of global ``members``.
+
+    Computed locally with plain torch; ``members = list(range(world))`` for the default group.
+    """
+    world = len(members)
+    xs = torch.stack([x_of(m) for m in members])  # (world, 2)
+    mine = torch.arange(2.0 * world)[2 * rank : 2 * rank + 2]  # chunk ``rank`` of arange(2 world)
     if name == "broadcast":
         return {"": xs[0]}
     if name == "reduce":
@@ -126,16 +142,16 @@ def expected(name: str, rank: int, world: int) -> Outputs:
     if name == "all_reduce":
         return {"SUM": xs.sum(0), "MAX": xs.amax(0), "MIN": xs.amin(0), "PRODUCT": xs.prod(0)}
     if name == "scatter":
-        return {"": torch.arange(2.0 * world)[2 * rank : 2 * rank + 2]}
+        return {"": mine}
     if name == "gather":
         return {"": xs if rank == 0 else None}
     if name == "all_gather":
         return {"": xs}
     if name == "reduce_scatter":
-        return {"": sum(torch.arange(2.0 * world)[2 * rank : 2 * rank + 2] + 100 * i for i in range(world))}
+        return {"": sum(mine + 100 * m for m in members)}
     if name == "all_to_all":
-        return {"": torch.tensor([10.0 * i + rank for i in range(world)])}
-    if name == "barrier":  # the earliest rank waits for the latest one, minus its own delay
+        return {"": torch.tensor([10.0 * m + rank for m in members])}
+    if name == "barrier":  # a rank waits for the latest one, minus its own delay
         return {"waited_s": torch.tensor([BARRIER_DELAY_S * (world - 1 - rank)])}
     raise KeyError(name)
 
