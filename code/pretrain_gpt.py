@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import sys
 
+from distlab.gpt.arguments import ArgumentError
 from distlab.gpt.pretrain import pretrain
 
 
 def main() -> int:
     try:
         pretrain(sys.argv[1:])
-    except (ValueError, NotImplementedError, FileNotFoundError) as exc:
+    except ArgumentError as exc:
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from distlab.gpt.tokenizer import stdlib_docstrings, train_bpe, write_corpus_jsonl
 from preprocess_data import read_documents
+
+from distlab.gpt.tokenizer import stdlib_docstrings, train_bpe, write_corpus_jsonl
 
 
 def main(argv: list[str] | None = None) -> int:

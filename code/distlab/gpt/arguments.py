@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 from distlab.gpt.parallel_state import ParallelDims
 
 
+class ArgumentError(ValueError):
+    """Bad or contradictory command-line arguments (raised before any compute)."""
+
+
 def _f(default, help: str, **kw):  # noqa: A002 - argparse's own word
     return field(default=default, metadata={"help": help, **kw})
 

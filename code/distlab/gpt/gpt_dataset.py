@@ -88,11 +88,10 @@ class GPTDataset:
 def build_datasets(
     prefix: str, split: list[float], seq_length: int, num_samples: list[int], seed: int
 ) -> list[GPTDataset | None]:
-    """Train / validation / test datasets; ``None`` where no sample is needed."""
+    """Train / validation / test datasets; ``None`` where no sample is needed or the split share is 0."""
     indexed = IndexedDataset(prefix)
     out: list[GPTDataset | None] = []
-    for name, rng_, n in zip(
-        ("train", "validation", "test"), split_ranges(len(indexed), split), num_samples, strict=True
-    ):
-        out.append(GPTDataset(indexed, rng_, seq_length, n, seed, name) if n > 0 else None)
+    ranges = split_ranges(len(indexed), split)
+    for name, rng_, n, w in zip(("train", "validation", "test"), ranges, num_samples, split, strict=True):
+        out.append(GPTDataset(indexed, rng_, seq_length, n, seed, name) if n > 0 and w > 0 else None)
     return out

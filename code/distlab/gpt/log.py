@@ -91,7 +91,7 @@ def iteration_line(
 ITERATION_RE = re.compile(
     r"^ iteration +(?P<it>\d+)/ +(?P<total>\d+) \| consumed samples: +(?P<samples>\d+) \|"
     r" elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \| learning rate: (?P<lr>[\d.E+-]+) \|"
-    r" global batch size: +(?P<gbs>\d+) \| lm loss: (?P<loss>[\d.E+-]+|nan|inf) \|"
+    r" global batch size: +(?P<gbs>\d+) \| lm loss: (?P<loss>[\d.E+-]+|NAN|INF) \|"
     r" loss scale: (?P<scale>[\d.]+) \|( grad norm: (?P<gnorm>[\d.]+|nan|inf) \|)?"
     r" number of skipped iterations: +(?P<skipped>\d+) \| number of nan iterations: +(?P<nan>\d+) \|"
 )

@@ -24,7 +24,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.distributed import cap_cpu_threads, discover, init_distributed
 from distlab.gpt import checkpointing, log
-from distlab.gpt.arguments import PretrainArgs, padded_vocab_size, parse_args, parse_split, validate_args
+from distlab.gpt.arguments import (
+    ArgumentError,
+    PretrainArgs,
+    padded_vocab_size,
+    parse_args,
+    parse_split,
+    validate_args,
+)
 from distlab.gpt.gpt_dataset import build_datasets
 from distlab.gpt.loss_scaler import DynamicLossScaler, autocast, describe_precision
 from distlab.gpt.model import GPTConfig, GPTModel
@@ -53,7 +60,7 @@ def _profiler(args: PretrainArgs, rank: int) -> torch.profiler.profile | None:
     _print(f"> profiling two training steps of rank 0 into {folder} (TensorBoard PyTorch Profiler plugin)")
     return torch.profiler.profile(
         activities=acts,
-        schedule=torch.profiler.schedule(wait=0, warmup=1, active=2),
+        schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(folder, "rank0"),
         record_shapes=True,
         with_stack=False,
@@ -63,9 +70,12 @@ def _profiler(args: PretrainArgs, rank: int) -> torch.profiler.profile | None:
 def pretrain(argv: list[str] | None = None) -> dict:
     """Run pretraining from a command line; return the history (losses per iteration, ...)."""
     args = parse_args(argv)
-    validate_args(args, discover().world_size)
+    try:
+        validate_args(args, discover().world_size)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
     if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
-        raise NotImplementedError(
+        raise ArgumentError(
             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} / --pipeline-model-parallel-size "
             f"{args.pipeline_model_parallel_size}: only 1 is supported until part 2 (tensor/pipeline parallelism)"
         )
@@ -198,7 +208,7 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
         saved_at = it
         _print(f"  successfully saved checkpoint at iteration {it:7d} to {args.save}", on=rank0)
 
-    def validate(label: str, dataset, first: int) -> float:
+    def validate(label: str, dataset, first: int, to_tensorboard: bool = True) -> float:
         loss = evaluate(
             model,
             dataset,
@@ -212,6 +222,8 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
             autocast=amp,
         )
         _print(*log.validation_lines(label, loss), on=last)
+        if to_tensorboard:
+            tb.validation(iteration, consumed, loss)
         return loss
 
     while iteration < args.train_iters:
@@ -253,7 +265,7 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
             ("lrs", lr),
         ):
             history[key].append(val)
-        if not result.skipped and not result.nan:
+        if not result.nan:  # a skipped fp16 step still has a true forward loss
             interval_losses.append(result.loss)
         tb.training(
             iteration,
@@ -319,7 +331,9 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
                 "the end of training for val data", valid_ds, final * args.eval_iters * gbs
             )
         if test_ds is not None:
-            history["test_loss"] = validate("the end of training for test data", test_ds, 0)
+            history["test_loss"] = validate(
+                "the end of training for test data", test_ds, 0, to_tensorboard=False
+            )
     tb.close()
     history["args"] = dataclasses.asdict(args)
     history["iteration"] = iteration

@@ -1,0 +1,149 @@
+"""Argument parsing and validation of pretrain_gpt.py: Megatron names, clear messages before compute."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from distlab import REPO_ROOT
+from distlab.gpt.arguments import padded_vocab_size, parse_args, parse_split, validate_args
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def files(tmp_path):
+    for name in ("vocab.json", "merges.txt", "d.bin", "d.idx"):
+        (tmp_path / name).write_text("")
+    return [
+        "--vocab-file",
+        str(tmp_path / "vocab.json"),
+        "--merge-file",
+        str(tmp_path / "merges.txt"),
+        "--data-path",
+        str(tmp_path / "d"),
+    ]
+
+
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+]
+
+
+def check(argv, world=4):
+    args = parse_args(argv)
+    return args, validate_args(args, world)
+
+
+def test_valid_command_fills_megatron_defaults(files):
+    args, dims = check([*BASE, *files, "--local-rank", "3", "--profile-execution", "True"])
+    assert (dims.dp, dims.tp, dims.pp) == (4, 1, 1)
+    assert args.max_position_embeddings == 32 and args.lr_decay_iters == 10 and args.profile_execution
+    args, _ = check([*BASE, *files, "--local_rank=1", "--profile-execution", "False", "--fp16"])
+    assert args.local_rank == 1 and not args.profile_execution and args.fp16
+
+
+def test_unknown_argument_is_named(files, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, *files, "--num-layer", "3"])
+    assert "unrecognized arguments: --num-layer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "world", "message"),
+    [
+        (
+            ["--global-batch-size", "12"],
+            4,
+            "--global-batch-size 12 is not divisible by --micro-batch-size 2 x data-parallel size 4 = 8",
+        ),
+        (["--fp16", "--bf16"], 4, "--fp16 and --bf16 were both given"),
+        (["--num-attention-heads", "3"], 4, "--hidden-size 64 is not divisible by --num-attention-heads 3"),
+        (
+            ["--tensor-model-parallel-size", "8"],
+            8,
+            "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "3"],
+            3,
+            "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3",
+        ),
+        (
+            ["--tensor-model-parallel-size", "3"],
+            4,
+            "world size 4 is not divisible by tensor-model-parallel size 3",
+        ),
+        (["--max-position-embeddings", "16"], 4, "--seq-length 32 exceeds --max-position-embeddings 16"),
+        (["--min-lr", "0.1"], 4, "--min-lr 0.1 is above --lr 0.001"),
+        (["--save-interval", "5"], 4, "--save-interval 5 was given without --save"),
+        (["--split", "a,b"], 4, "--split 'a,b' must be numbers"),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], 4, "choose one"),
+    ],
+)
+def test_contradictions_are_refused_with_values(files, extra, world, message):
+    with pytest.raises(ValueError) as err:
+        check([*BASE, *files, *extra], world)
+    assert message in str(err.value)
+
+
+def test_missing_data_names_the_fix(tmp_path):
+    with pytest.raises(ValueError) as err:
+        check(
+            [*BASE, "--data-path", str(tmp_path / "nope"), "--vocab-file", "v.json", "--merge-file", "m.txt"]
+        )
+    text = str(err.value)
+    assert (
+        f"{tmp_path / 'nope'}.bin/.idx" in text
+        and "preprocess_data.py" in text
+        and "train_tokenizer.py" in text
+    )
+
+
+def test_required_arguments_are_listed():
+    with pytest.raises(ValueError, match="--num-layers is required; --hidden-size is required"):
+        check(["--lr", "1"])
+
+
+def test_vocab_padding_and_split():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 2) == 50432
+    assert padded_vocab_size(4096, 128, 4) == 4096
+    assert parse_split("949,50,1") == pytest.approx([0.949, 0.05, 0.001])
+    assert parse_split("9,1") == pytest.approx([0.9, 0.1, 0.0])
+
+
+def test_entry_script_fails_before_compute(files):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "code" / "pretrain_gpt.py"),
+            *BASE,
+            *files,
+            "--global-batch-size",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--global-batch-size 3 is not divisible by --micro-batch-size 2" in out.stderr
+    assert "iteration" not in out.stdout

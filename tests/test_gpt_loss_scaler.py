@@ -1,0 +1,63 @@
+"""fp16 dynamic loss scaling: Megatron's window/hysteresis rule, and a skipped step leaves weights alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.loss_scaler import DynamicLossScaler, autocast, unscale_and_check
+from distlab.gpt.model import GPTConfig, GPTModel
+from distlab.gpt.parallel_state import ParallelDims, ParallelState
+from distlab.gpt.training import train_step
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_hysteresis_then_backoff_and_growth_after_window():
+    s = DynamicLossScaler(1024.0, min_scale=256.0, window=3, hysteresis=2)
+    s.update(found_inf=True)
+    assert s.scale == 1024.0  # first overflow absorbed by hysteresis
+    s.update(found_inf=True)
+    assert s.scale == 512.0
+    s.update(found_inf=True)
+    s.update(found_inf=True)
+    assert s.scale == 256.0  # floor
+    for _ in range(3):
+        s.update(found_inf=False)
+    assert s.scale == 512.0 and s.hysteresis_left == 2
+    restored = DynamicLossScaler(1.0)
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == s.state_dict()
+
+
+def test_unscale_divides_and_detects_inf():
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    a.grad, b.grad = torch.tensor([2.0, 4.0, 8.0]), torch.tensor([1.0, 1.0])
+    assert not unscale_and_check([a, b], 2.0)
+    torch.testing.assert_close(a.grad, torch.tensor([1.0, 2.0, 4.0]))
+    b.grad = torch.tensor([1.0, float("inf")])
+    assert unscale_and_check([a, b], 1.0)
+
+
+def test_overflowing_fp16_step_is_skipped_and_weights_kept():
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=128, max_position_embeddings=16
+    )
+    state = ParallelState(dims=ParallelDims(1), rank=0)
+    model = GPTModel(cfg, state)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 128, (2, 16))
+    batches = [(tokens, tokens.roll(-1, 1))]
+    amp = lambda: autocast(PretrainArgs(fp16=True), torch.device("cpu"))  # noqa: E731
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scaler = DynamicLossScaler(2.0**40, window=1000, hysteresis=1)
+    result = train_step(model, opt, batches, state=state, clip_grad=1.0, scaler=scaler, autocast=amp)
+    assert result.skipped and result.grad_norm is None and scaler.scale == 2.0**39
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    scaler.scale = 2.0**8
+    result = train_step(model, opt, batches, state=state, clip_grad=1.0, scaler=scaler, autocast=amp)
+    assert not result.skipped and result.grad_norm > 0 and scaler.scale == 2.0**8
+    assert not torch.equal(model.state_dict()["layers.0.attn.qkv.weight"], before["layers.0.attn.qkv.weight"])
