@@ -119,18 +119,16 @@ def _prepare_files(p: ClusterPaths) -> None:
 def _link_system_conf(p: ClusterPaths) -> None:
     """Point /etc/slurm/slurm.conf at ours so that plain `sinfo` works in any shell.
 
-    Only done where no other configuration is there (a real cluster's is never touched).
+    Only where nothing (or a dangling link) is there: a real cluster's configuration, or another
+    checkout's live lab cluster, is never touched.
     """
-    system = Path("/etc/slurm/slurm.conf")
-    if system.is_symlink() or not system.exists():
+    for name, target in (("slurm.conf", p.conf), ("gres.conf", p.gres_conf)):
+        system = Path("/etc/slurm") / name
+        if system.exists():  # follows links: a live configuration stays
+            continue
         system.parent.mkdir(parents=True, exist_ok=True)
-        if system.is_symlink():
-            system.unlink()
-        system.symlink_to(p.conf)
-        gres = system.parent / "gres.conf"
-        if gres.is_symlink() or not gres.exists():
-            gres.unlink(missing_ok=True)
-            gres.symlink_to(p.gres_conf)
+        system.unlink(missing_ok=True)  # a dangling link
+        system.symlink_to(target)
 
 
 def _start_munged(p: ClusterPaths) -> None:
