@@ -72,3 +72,19 @@ def test_port_held_by_another_program_is_reported(private_cluster):
             daemons.ClusterError, match=rf"port\(s\) \[{private_cluster.ctld_port}\].*LAB_CLUSTER_PORT"
         ):
             daemons.start(private_cluster)
+
+
+def test_not_root_is_told_what_to_do(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(daemons.ClusterError, match="run as root"):
+        daemons._check_prerequisites()
+
+
+def test_missing_package_is_named(monkeypatch):
+    import shutil
+
+    real = shutil.which
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda exe: None if exe == "slurmd" else real(exe))
+    with pytest.raises(daemons.ClusterError, match=r"missing Debian packages: slurmd; run `./lab setup`"):
+        daemons._check_prerequisites()
