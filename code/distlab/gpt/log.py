@@ -12,6 +12,7 @@ vocabulary V::
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -187,3 +188,113 @@ class TensorBoardLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+class TrainingLog:
+    """Per-iteration history plus Megatron's line every ``--log-interval`` iterations.
+
+    The line averages loss and time over the interval and counts its skipped / nan iterations;
+    ``history`` keeps every iteration (tests and notebooks read it).
+    """
+
+    def __init__(self, args: PretrainArgs, *, vocab_size: int, world_size: int, device: torch.device) -> None:
+        self.args, self.world_size = args, world_size
+        self.flops = model_flops_per_iteration(args, vocab_size)
+        self.peak = device_peak_tflops(device)
+        self.timer = Timer(device)
+        self.history: dict = {
+            k: [] for k in ("iterations", "losses", "loss_scales", "grad_norms", "lrs", "val_losses")
+        }
+        self.history.update(skipped=0, nan=0)
+        self._losses: list[float] = []
+        self._skipped = self._nan = 0
+        self.timer.start()
+
+    def record(
+        self,
+        iteration: int,
+        consumed: int,
+        *,
+        loss: float,
+        grad_norm: float | None,
+        skipped: bool,
+        nan: bool,
+        lr: float,
+        loss_scale: float,
+    ) -> str | None:
+        """Add one iteration; return the log line when one is due."""
+        h = self.history
+        for key, val in (
+            ("iterations", iteration),
+            ("losses", loss),
+            ("loss_scales", loss_scale),
+            ("grad_norms", grad_norm),
+            ("lrs", lr),
+        ):
+            h[key].append(val)
+        h["skipped"] += skipped
+        h["nan"] += nan
+        self._skipped += skipped
+        self._nan += nan
+        if not nan:  # a skipped fp16 step still has a true forward loss
+            self._losses.append(loss)
+        a = self.args
+        if iteration % a.log_interval and iteration != a.train_iters:
+            return None
+        n = (iteration - 1) % a.log_interval + 1
+        iter_s = self.timer.stop() / n
+        tflops = self.flops / iter_s / self.world_size / 1e12
+        line = iteration_line(
+            iteration=iteration, train_iters=a.train_iters, consumed_samples=consumed, elapsed_ms=1000 * iter_s,
+            lr=lr, global_batch_size=a.global_batch_size,
+            loss=sum(self._losses) / len(self._losses) if self._losses else float("nan"), loss_scale=loss_scale,
+            grad_norm=grad_norm, skipped=self._skipped, nan=self._nan,
+            tokens_per_s=a.global_batch_size * a.seq_length / iter_s, tflops_per_device=tflops,
+            mfu=tflops / self.peak if self.peak else None,
+        )  # fmt: skip
+        self._losses, self._skipped, self._nan = [], 0, 0
+        self.timer.pop()
+        self.timer.start()
+        return line
+
+
+class StepProfiler:
+    """torch.profiler over the first three steps of rank 0: one warm-up, two traced.
+
+    The trace lands in ``<tensorboard-dir>/<profile-name>/rank0.<time>.pt.trace.json``, the layout
+    TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``).
+    """
+
+    def __init__(self, args: PretrainArgs, rank: int) -> None:
+        self.folder = os.path.join(
+            args.tensorboard_dir or os.path.join("runs", "tensorboard"), args.profile_name
+        )
+        self.prof, self.steps = None, 0
+        if not args.profile_execution or rank != 0:
+            return
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(
+            activities=acts, schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.folder, "rank0"), record_shapes=True,
+        )  # fmt: skip
+        self.prof.start()
+        print(
+            f"> profiling two training steps of rank 0 into {self.folder} (TensorBoard PyTorch Profiler)",
+            flush=True,
+        )
+
+    def step(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.step()
+        self.steps += 1
+        if self.steps == 3:
+            self.stop()
+            print(f"> profiler trace written under {self.folder}", flush=True)
+
+    def stop(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None

@@ -224,5 +224,11 @@ def init_parameters(model: nn.Module, cfg: GPTConfig, state: ParallelState | Non
             full[dim] *= tp
         w = torch.randn(full, generator=_generator(cfg.seed, key)) * std
         if dim is not None:
-            w = w.chunk(tp, dim=dim)[tp_rank]
+            w = shard(w, dim, tp, tp_rank, getattr(p, "partition_stride", 1))
         p.copy_(w.to(p.dtype))
+
+
+def shard(full: torch.Tensor, dim: int, tp: int, tp_rank: int, stride: int = 1) -> torch.Tensor:
+    """Rank ``tp_rank``'s part of ``full`` along ``dim``: ``stride`` blocks, each cut in ``tp``."""
+    blocks = full.unflatten(dim, (stride, full.shape[dim] // stride))  # (..., stride, n/stride, ...)
+    return blocks.chunk(tp, dim=dim + 1)[tp_rank].flatten(dim, dim + 1)  # (..., n/tp, ...)

@@ -15,7 +15,6 @@ loss lives with pipeline parallelism).
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import torch
@@ -47,24 +46,6 @@ def _print(*lines: str, on: bool = True) -> None:
     if on:
         for line in lines:
             print(line, flush=True)
-
-
-def _profiler(args: PretrainArgs, rank: int) -> torch.profiler.profile | None:
-    """Rank 0 traces iterations 2 and 3 of this run into ``<tensorboard-dir>/<profile-name>/``."""
-    if not args.profile_execution or rank != 0:
-        return None
-    folder = os.path.join(args.tensorboard_dir or os.path.join("runs", "tensorboard"), args.profile_name)
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    _print(f"> profiling two training steps of rank 0 into {folder} (TensorBoard PyTorch Profiler plugin)")
-    return torch.profiler.profile(
-        activities=acts,
-        schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(folder, "rank0"),
-        record_shapes=True,
-        with_stack=False,
-    )
 
 
 def pretrain(argv: list[str] | None = None) -> dict:
@@ -175,29 +156,13 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
             _print(f"> loaded checkpoint from {args.load} at iteration {iteration}", on=rank0)
 
     tb = log.TensorBoardLog(args, enabled=last)
-    flops = log.model_flops_per_iteration(args, vocab)
-    peak = log.device_peak_tflops(device)
+    tlog = log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device)
+    history = tlog.history
     amp = lambda: autocast(args, device)  # noqa: E731
-    history: dict = {
-        "iterations": [],
-        "losses": [],
-        "loss_scales": [],
-        "grad_norms": [],
-        "lrs": [],
-        "val_losses": [],
-        "skipped": 0,
-        "nan": 0,
-    }
-    step_timer, interval_timer = log.Timer(device), log.Timer(device)
-    skipped_interval = nan_interval = 0
-    interval_losses: list[float] = []
-    prof = _profiler(args, state.rank)
-    if prof is not None:
-        prof.start()
-    profiled = 0
+    step_timer = log.Timer(device)
+    prof = log.StepProfiler(args, state.rank)
     _print("> training ...", on=rank0)
     model.train()
-    interval_timer.start()
     saved_at = None
 
     def save(it: int) -> None:
@@ -244,67 +209,13 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
         step_ms = 1000 * step_timer.stop()
         iteration += 1
         consumed += gbs
-        if prof is not None and profiled < 3:
-            prof.step()
-            profiled += 1
-            if profiled == 3:
-                prof.stop()
-                _print(
-                    f"> profiler trace written under {os.path.join(args.tensorboard_dir or 'runs/tensorboard', args.profile_name)}"
-                )
-        skipped_interval += result.skipped
-        nan_interval += result.nan
-        history["skipped"] += result.skipped
-        history["nan"] += result.nan
+        prof.step()
         loss_scale = scaler.scale if scaler else 1.0
-        for key, val in (
-            ("iterations", iteration),
-            ("losses", result.loss),
-            ("loss_scales", loss_scale),
-            ("grad_norms", result.grad_norm),
-            ("lrs", lr),
-        ):
-            history[key].append(val)
-        if not result.nan:  # a skipped fp16 step still has a true forward loss
-            interval_losses.append(result.loss)
-        tb.training(
-            iteration,
-            consumed,
-            loss=result.loss,
-            lr=lr,
-            loss_scale=loss_scale,
-            grad_norm=result.grad_norm,
-            iter_ms=step_ms,
-            timers={"train-step": step_ms},
-        )
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            n = (iteration - 1) % args.log_interval + 1
-            iter_s = interval_timer.stop() / n
-            mean_loss = sum(interval_losses) / len(interval_losses) if interval_losses else float("nan")
-            tflops = flops / iter_s / ctx.world_size / 1e12
-            _print(
-                log.iteration_line(
-                    iteration=iteration,
-                    train_iters=args.train_iters,
-                    consumed_samples=consumed,
-                    elapsed_ms=1000 * iter_s,
-                    lr=lr,
-                    global_batch_size=gbs,
-                    loss=mean_loss,
-                    loss_scale=loss_scale,
-                    grad_norm=result.grad_norm,
-                    skipped=skipped_interval,
-                    nan=nan_interval,
-                    tokens_per_s=gbs * args.seq_length / iter_s,
-                    tflops_per_device=tflops,
-                    mfu=tflops / peak if peak else None,
-                ),
-                on=last,
-            )
-            skipped_interval = nan_interval = 0
-            interval_losses = []
-            interval_timer.pop()
-            interval_timer.start()
+        line = tlog.record(iteration, consumed, loss=result.loss, grad_norm=result.grad_norm, skipped=result.skipped,
+                           nan=result.nan, lr=lr, loss_scale=loss_scale)  # fmt: skip
+        _print(line, on=last and line is not None)
+        tb.training(iteration, consumed, loss=result.loss, lr=lr, loss_scale=loss_scale, grad_norm=result.grad_norm,
+                    iter_ms=step_ms, timers={"train-step": step_ms})  # fmt: skip
         if valid_ds is not None and args.eval_iters and iteration % args.eval_interval == 0:
             first = (iteration // args.eval_interval - 1) * args.eval_iters * gbs
             history["val_losses"].append(validate(f"iteration {iteration}", valid_ds, first))
@@ -319,8 +230,7 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
                     on=rank0,
                 )
                 break
-    if prof is not None and profiled < 3:
-        prof.stop()
+    prof.stop()
     if args.save and saved_at != iteration:
         save(iteration)
     _print("[after training is done]", on=rank0)
