@@ -176,3 +176,36 @@ def even_odd_groups(world: int, timeout) -> tuple[dist.ProcessGroup, dist.Proces
     evens = dist.new_group(list(range(0, world, 2)), timeout=timeout)
     odds = dist.new_group(list(range(1, world, 2)), timeout=timeout)
     return evens, odds
+
+
+def check_all_gather(
+    ctx,
+    fn: Callable[[torch.Tensor], list[torch.Tensor]],
+    shapes: tuple[tuple[int, ...], ...] = ((1,), (3,), (2, 5)),
+) -> bool:
+    """Compare ``fn(x)`` with ``dist.all_gather`` on every rank; print one verdict line per shape.
+
+    For the exercise: ``fn(x)`` must return ``[x of rank 0, ..., x of rank n-1]``. A function that
+    raises ``NotImplementedError`` is reported as not done yet (the job still succeeds).
+    """
+    from distlab.comm.launch import say
+
+    all_ok = True
+    for shape in shapes:
+        gen = torch.Generator().manual_seed(100 + ctx.rank)
+        x = torch.randint(-9, 10, shape, generator=gen).float().to(ctx.device)
+        want = [torch.empty_like(x) for _ in range(ctx.world_size)]
+        dist.all_gather(want, x)
+        try:
+            got = fn(x.clone())
+        except NotImplementedError as err:
+            say(ctx, f"my_all_gather: not implemented yet ({err})")
+            return False
+        ok = len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=False))
+        all_ok &= ok
+        say(
+            ctx,
+            f"my_all_gather shape {tuple(shape)}: {'ok' if ok else 'WRONG'}"
+            + ("" if ok else f" got {[g.tolist() for g in got]}, expected {[w.tolist() for w in want]}"),
+        )
+    return all_ok

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import sys
 from collections.abc import Callable
@@ -172,3 +173,13 @@ def in_rank_order(ctx: DistContext, fn: Callable[[], None], group: dist.ProcessG
         if dist.get_rank(group) == r:
             fn()
         dist.barrier(group=group)
+
+
+def by_rank(lines: list[str]) -> list[str]:
+    """Log lines ``[rank r/n host] ...`` sorted by r (stable: each rank's own order is kept)."""
+
+    def key(line: str) -> int:
+        m = re.search(r"\[rank (\d+)/", line)
+        return int(m.group(1)) if m else -1
+
+    return sorted(lines, key=key)
