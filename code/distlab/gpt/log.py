@@ -203,12 +203,14 @@ class TrainingLog:
         self.peak = device_peak_tflops(device)
         self.timer = Timer(device)
         self.history: dict = {
-            k: [] for k in ("iterations", "losses", "loss_scales", "grad_norms", "lrs", "val_losses")
+            k: []
+            for k in ("iterations", "losses", "loss_scales", "grad_norms", "lrs", "val_losses", "iter_ms")
         }
         self.history.update(skipped=0, nan=0)
         self._losses: list[float] = []
         self._skipped = self._nan = 0
         self.timer.start()
+        self._last = time.perf_counter()
 
     def record(
         self,
@@ -223,7 +225,9 @@ class TrainingLog:
         loss_scale: float,
     ) -> str | None:
         """Add one iteration; return the log line when one is due."""
-        h = self.history
+        h, now = self.history, time.perf_counter()
+        h["iter_ms"].append(1000 * (now - self._last))  # whole iteration: data, step, logging
+        self._last = now
         for key, val in (
             ("iterations", iteration),
             ("losses", loss),

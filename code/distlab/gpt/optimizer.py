@@ -77,7 +77,7 @@ def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> to
     """Global L2 norm of the gradients (fp32 scalar), counted once per distinct parameter."""
     tp_rank = state.tp_rank if state is not None else 0
     pp = state.pp if state is not None else 1
-    squares = []
+    grads = []
     for p in params:
         if p.grad is None:
             continue
@@ -85,14 +85,23 @@ def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> to
             continue
         if getattr(p, "shared_embedding", False) and pp > 1:
             continue
-        squares.append(p.grad.detach().float().pow(2).sum())
-    device = squares[0].device if squares else torch.device("cpu")
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+        grads.append(p.grad.detach())
+    if grads:
+        total = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()  # sum_p ||g_p||^2
+    else:
+        total = torch.zeros((), device=_collective_device())
     if state is not None:
         for group, size in ((state.tp_group, state.tp), (state.pp_group, state.pp)):
             if size > 1:
                 dist.all_reduce(total, group=group)
     return total.sqrt()
+
+
+def _collective_device() -> torch.device:
+    """Where collectives of this rank's groups run: its GPU with nccl, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
