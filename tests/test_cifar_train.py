@@ -1,0 +1,212 @@
+"""Training with DDP on CPU + gloo: exact resume, rank-count-independent evaluation, bad input.
+
+Ranks are spawned with torch.multiprocessing on a free port and run ``code/train_cifar.py``'s
+own ``main`` with torchrun's variables, on a tiny generated set and a width-4 ResNet-18.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distlab import REPO_ROOT
+from distlab.cifar import data, engine
+from distlab.cifar.model import ModelSpec, build_model
+
+pytestmark = pytest.mark.timeout(120)
+SCRIPT = REPO_ROOT / "code" / "train_cifar.py"
+TINY = ["--width", "4", "--batch-size", "16", "--eval-batch-size", "32", "--lr", "0.05"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_cifar", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables torchrun would give rank ``rank`` of ``world`` on one node."""
+    return dict(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def start_ranks(fn, args: tuple, world: int) -> None:
+    """Run ``fn(rank, *args)`` on ``world`` spawned processes (fork can deadlock once torch has
+    run parallel work in this process: its thread pool does not survive a fork)."""
+    mp.start_processes(fn, args=args, nprocs=world, join=True, start_method="spawn")
+
+
+def _train_rank(rank: int, jobs: list[tuple[int, list[str], str]]) -> None:
+    """Process ``rank`` of several independent jobs spawned together: (world, argv, out) each."""
+    for world, argv, out in jobs:
+        if rank < world:
+            port = int(out.rsplit(":", 1)[1])
+            os.environ.update(rank_env(rank, world, port))
+            records = load_script().main(argv)
+            with open(f"{out.rsplit(':', 1)[0]}.{rank}.json", "w") as f:
+                json.dump(records, f)
+            return
+        rank -= world
+
+
+def spawn_train(*jobs: tuple[int, list[str], str]) -> list[list[list[dict]]]:
+    """Run train_cifar.main for each (world, argv, out) job at once; per job, each rank's records."""
+    start_ranks(
+        _train_rank, ([(w, a, f"{o}:{free_port()}") for w, a, o in jobs],), sum(w for w, _, _ in jobs)
+    )
+    return [[json.loads(open(f"{o}.{r}.json").read()) for r in range(w)] for w, _, o in jobs]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cifar")
+    data.generate(root, train_per_batch=24, test=37, seed=1)  # 120 train, 37 test (odd on purpose)
+    return root
+
+
+def test_resume_continues_exactly(tiny_data, tmp_path):
+    common = ["--data-dir", str(tiny_data), "--epochs", "3", *TINY]
+    full, cut = spawn_train(  # both 2-rank jobs at once
+        (2, [*common, "--checkpoint", str(tmp_path / "full.pt")], str(tmp_path / "full")),
+        (2, [*common, "--checkpoint", str(tmp_path / "cut.pt"), "--stop-after", "2"], str(tmp_path / "cut")),
+    )
+    (rest,) = spawn_train(
+        (2, [*common, "--checkpoint", str(tmp_path / "cut.pt"), "--resume"], str(tmp_path / "rest"))
+    )
+    for rank in range(2):
+        assert [r["epoch"] for r in full[rank]] == [1, 2, 3]
+        assert [r["epoch"] for r in cut[rank]] == [1, 2] and [r["epoch"] for r in rest[rank]] == [3]
+        resumed = [r["losses"] for r in cut[rank] + rest[rank]]
+        uninterrupted = [r["losses"] for r in full[rank]]
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(uninterrupted), rtol=0, atol=0)
+        assert rest[rank][0]["acc"] == full[rank][2]["acc"]
+    assert full[0][-1]["acc"] == full[1][-1]["acc"]  # every rank reports the global accuracy
+    assert full[0][0]["losses"] != full[1][0]["losses"]  # ... but trains on its own shard
+
+
+def _eval_rank(rank: int, ports: dict[int, int], root: str, ckpt: str, out: str) -> None:
+    model = build_model(ModelSpec(width=4))
+    model.load_state_dict(torch.load(ckpt, weights_only=True))
+    test_set = data.ManifestCIFAR10(root, train=False, transform=engine.make_transform(False))
+    for world in (3, 2, 1):  # the same processes evaluate as worlds of 3, then 2, then 1
+        if rank >= world:
+            continue
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[world]}", rank=rank, world_size=world
+        )
+        acc, loss = engine.evaluate(model, engine.eval_loader(test_set, batch_size=8), torch.device("cpu"))
+        with open(f"{out}.{world}.{rank}.json", "w") as f:
+            json.dump([acc, loss], f)
+        dist.destroy_process_group()
+
+
+def test_accuracy_does_not_depend_on_rank_count(tiny_data, tmp_path):
+    torch.manual_seed(3)
+    model = build_model(ModelSpec(width=4))
+    test_set = data.ManifestCIFAR10(tiny_data, train=False, transform=engine.make_transform(False))
+    # Make predictions non-trivial: a few SGD steps on the test images themselves.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.stack([test_set[i][0] for i in range(len(test_set))])  # (37, 3, 32, 32)
+    y = torch.tensor(test_set.targets)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    model.eval()
+    with torch.no_grad():  # single-process reference, no loaders, no process group
+        logits = model(x)
+    ref_acc = (logits.argmax(1) == y).double().mean().item()
+    ref_loss = torch.nn.functional.cross_entropy(logits, y).item()
+    assert 0 < ref_acc < 1
+    ports = {w: free_port() for w in (1, 2, 3)}
+    start_ranks(_eval_rank, (ports, str(tiny_data), str(tmp_path / "m.pt"), str(tmp_path / "e")), 3)
+    for world in (1, 2, 3):  # 37 images: 3 ranks score 13, 12, 12; 2 ranks 19, 18
+        for rank in range(world):
+            acc, loss = json.loads((tmp_path / f"e.{world}.{rank}.json").read_text())
+            assert acc == ref_acc, (world, rank, acc, ref_acc)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def run_main(monkeypatch, argv: list[str], world: int = 1) -> str:
+    """Call main in this process as rank 0 of ``world``; return the message it exits with."""
+    for key, value in rank_env(0, world, free_port()).items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exc:
+        load_script().main(argv)
+    return str(exc.value.code)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_bad_input_is_refused_before_training(tiny_data, tmp_path, monkeypatch, capsys):
+    msg = run_main(monkeypatch, ["--data-dir", str(tmp_path / "nothing")])
+    assert "prepare_cifar.py" in msg and str(tmp_path / "nothing") in msg
+    assert run_main(monkeypatch, ["--batch-size", "0"]) == "2"
+    assert "--batch-size is 0: it must be at least 1" in capsys.readouterr().err
+    msg = run_main(monkeypatch, ["--data-dir", str(tiny_data), "--train-samples", "3"], world=4)
+    assert "4 ranks but only 3 training images" in msg  # exits before any rendezvous (world 4, alone)
+    ckpt = tmp_path / "w4.pt"
+    engine_spec = ModelSpec(width=4)
+    torch.save({"spec": engine_spec.as_dict(), "epoch": 1}, ckpt)
+    msg = run_main(
+        monkeypatch, ["--data-dir", str(tiny_data), "--width", "8", "--checkpoint", str(ckpt), "--resume"]
+    )
+    assert "holds resnet18 width 4" in msg and "builds resnet18 width 8" in msg and "--width" in msg
+    msg = run_main(
+        monkeypatch, ["--data-dir", str(tiny_data), "--checkpoint", str(tmp_path / "no.pt"), "--resume"]
+    )
+    assert "no checkpoint at" in msg
+
+
+def test_dead_rank_fails_the_whole_job(tiny_data, tmp_path):
+    """Under torchrun, one rank raising ends the job quickly, with that rank's error in the log."""
+    start = time.monotonic()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPT),
+            "--data-dir",
+            str(tiny_data),
+            *TINY,
+            "--epochs",
+            "1",
+            "--checkpoint",
+            "",
+            "--fail-on-rank",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "DISTLAB_PG_TIMEOUT": "60"},
+    )
+    assert out.returncode != 0
+    assert "rank 1 fails on purpose" in out.stdout + out.stderr
+    assert time.monotonic() - start < 60
