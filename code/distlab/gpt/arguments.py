@@ -87,6 +87,7 @@ class PretrainArgs:
     # --- parallelism ---
     tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages")
+    pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
     distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
     distributed_timeout_minutes: float = _f(5.0, "collectives fail after waiting this long")
     local_rank: int = _f(None, "set by the legacy torch.distributed.launch; ignored (LOCAL_RANK wins)")
@@ -216,8 +217,8 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
         errors.append(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be within [0, 1]")
     if args.save_interval is not None and args.save is None:
         errors.append(f"--save-interval {args.save_interval} was given without --save DIR")
-    if args.load is not None and not os.path.isdir(args.load):
-        errors.append(f"--load {args.load} is not a directory")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        errors.append(f"--load {args.load} is a file, not a checkpoint directory")
     for name in ("log_interval", "eval_interval"):
         if getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")

@@ -37,7 +37,7 @@ from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.optimizer import LRSchedule, build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tokenizer import GPT2BPETokenizer
-from distlab.gpt.training import evaluate, micro_batches, train_step
+from distlab.gpt.training import evaluate, forward_backward, micro_batches, train_step
 
 _START = time.time()
 
@@ -159,6 +159,7 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
     tlog = log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device)
     history = tlog.history
     amp = lambda: autocast(args, device)  # noqa: E731
+    fwd_bwd = forward_backward  # part 2: pipeline_parallel.make_forward_backward(...) when pp > 1
     step_timer = log.Timer(device)
     prof = log.StepProfiler(args, state.rank)
     _print("> training ...", on=rank0)
@@ -185,6 +186,7 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
             state=state,
             device=device,
             autocast=amp,
+            forward_backward_fn=fwd_bwd,
         )
         _print(*log.validation_lines(label, loss), on=last)
         if to_tensorboard:
@@ -203,9 +205,8 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
             device=device,
         )
         step_timer.start()
-        result = train_step(
-            model, optimizer, batches, state=state, clip_grad=args.clip_grad, scaler=scaler, autocast=amp
-        )
+        result = train_step(model, optimizer, batches, state=state, clip_grad=args.clip_grad, scaler=scaler,
+                            autocast=amp, forward_backward_fn=fwd_bwd)  # fmt: skip
         step_ms = 1000 * step_timer.stop()
         iteration += 1
         consumed += gbs
