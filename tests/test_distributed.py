@@ -1,0 +1,191 @@
+"""Rank discovery for every launcher (distlab.distributed), and real process groups started from it.
+
+Each launcher names rank/world/local rank differently; ``discover`` must read each correctly and
+prefer torchrun's variables (srun + torchrun sets both SLURM_* and RANK/WORLD_SIZE).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distlab import distributed as D
+
+pytestmark = pytest.mark.timeout(90)
+
+SLURM_2x2 = {  # what srun exports to task 3 of `srun --nodes=2 --ntasks-per-node=2` in job 4242
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+    "SLURM_PROCID": "3",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_NNODES": "2",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_variables():
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": "29400",
+    }
+    assert D.discover(env) == D.DistEnv(5, 8, 1, 4, "gpu07", 29400, "torchrun")
+    assert D.discover(env).node_rank == 1
+
+
+def test_torchrun_inside_srun_wins_over_slurm():
+    """srun + torchrun: one Slurm task per node, torchrun's RANK is the rank that counts."""
+    env = {
+        **SLURM_2x2,
+        "SLURM_PROCID": "1",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "RANK": "2",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "node1",
+        "MASTER_PORT": "24242",
+    }
+    got = D.discover(env)
+    assert (got.launcher, got.rank, got.world_size, got.local_rank, got.node_rank) == ("torchrun", 2, 4, 0, 1)
+
+
+def test_open_mpi_variables():
+    env = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+    }
+    assert D.discover(env) == D.DistEnv(3, 4, 1, 2, "node1", 20000 + 4242, "mpirun")
+
+
+def test_srun_variables():
+    got = D.discover(SLURM_2x2)
+    assert got == D.DistEnv(3, 4, 1, 2, "node1", 24242, "srun")
+    assert got.node_rank == 1
+    assert D.discover({**SLURM_2x2, "SLURM_STEP_TASKS_PER_NODE": "3,1"}).local_world_size == 3
+
+
+def test_batch_script_alone_is_a_single_process():
+    """Inside sbatch but outside srun there is a SLURM_JOB_ID yet no step: one process."""
+    got = D.discover({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1", "SLURM_PROCID": "0"})
+    assert (got.launcher, got.rank, got.world_size, got.master_addr) == ("single", 0, 1, "node1")
+    assert D.discover({}) == D.DistEnv(0, 1, 0, 1, "127.0.0.1", 29500, "single")
+
+
+def test_expand_hostlist():
+    assert D.expand_hostlist("node[1-2]") == ["node1", "node2"]
+    assert D.expand_hostlist("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
+    assert D.expand_hostlist("127.0.0.11") == ["127.0.0.11"]
+
+
+def test_backend_choice_and_errors():
+    assert D.pick_backend(None) == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert D.pick_backend("gloo") == "gloo"
+    with pytest.raises(ValueError, match="unknown distributed backend 'ncl'"):
+        D.pick_backend("ncl")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            D.pick_backend("nccl")
+    assert D.pick_device("gloo", 3) == torch.device("cpu")
+
+
+def test_cpu_threads_are_capped(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    before = torch.get_num_threads()
+    try:
+        note = D.cap_cpu_threads(local_world_size=10_000)
+        assert torch.get_num_threads() == 1 and "capped" in note
+    finally:
+        torch.set_num_threads(before)
+
+
+def _srun_task(task: int, port: int, out: str) -> None:
+    os.environ.update(
+        {
+            **SLURM_2x2,
+            "SLURM_PROCID": str(task),
+            "SLURM_LOCALID": str(task % 2),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK"):
+        os.environ.pop(key, None)
+    ctx = D.init_distributed(backend="gloo", timeout_s=60)
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t)
+    with open(f"{out}.{task}.json", "w") as f:
+        json.dump([ctx.env.launcher, ctx.rank, ctx.world_size, ctx.env.local_rank, t.item()], f)
+    D.shutdown()
+
+
+def test_srun_alone_starts_a_process_group(tmp_path):
+    """Four 'srun tasks' (only SLURM_* variables) form one group: all-reduce of ranks = 0+1+2+3."""
+    mp.start_processes(_srun_task, args=(free_port(), str(tmp_path / "t")), nprocs=4, start_method="spawn")
+    got = [json.loads((tmp_path / f"t.{i}.json").read_text()) for i in range(4)]
+    assert got == [["srun", i, 4, i % 2, 6.0] for i in range(4)]
+
+
+PROBE = """
+import json, torch, torch.distributed as dist
+from distlab.distributed import init_distributed, shutdown
+ctx = init_distributed(backend="gloo", timeout_s=60)
+t = torch.tensor([float(ctx.rank)]); dist.all_reduce(t)
+print(json.dumps([ctx.env.launcher, ctx.rank, ctx.world_size, ctx.env.local_rank, t.item()]), flush=True)
+shutdown()
+"""
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_mpirun_starts_a_process_group():
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root without it
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))
+    }
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    out = subprocess.run(
+        [
+            "mpirun",
+            "-np",
+            "2",
+            *root,
+            "--oversubscribe",
+            "-x",
+            "MASTER_ADDR",
+            "-x",
+            "MASTER_PORT",
+            sys.executable,
+            "-c",
+            PROBE,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = sorted(json.loads(line) for line in out.stdout.splitlines() if line.startswith("["))
+    assert got == [["mpirun", 0, 2, 0, 1.0], ["mpirun", 1, 2, 1, 1.0]]
