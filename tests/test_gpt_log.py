@@ -1,0 +1,73 @@
+"""Megatron log-line format, learning-rate schedule and FLOPs arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.log import ITERATION_RE, iteration_line, model_flops_per_iteration, validation_lines
+from distlab.gpt.optimizer import LRSchedule
+
+# The line of the issue, which the notebooks grep (Megatron-LM's training_log).
+MEGATRON = (" iteration      100/     100 | consumed samples:          800 | elapsed time per iteration (ms): 537.3 |"
+            " learning rate: 5.822E-05 | global batch size:     8 | lm loss: 7.448950E+00 | loss scale: 1.0 |"
+            " grad norm: 1.303 | number of skipped iterations:   0 | number of nan iterations:   0 |")  # fmt: skip
+
+
+def test_iteration_line_is_megatrons_then_throughput():
+    line = iteration_line(iteration=100, train_iters=100, consumed_samples=800, elapsed_ms=537.31, lr=5.8219e-05,
+                          global_batch_size=8, loss=7.44895, loss_scale=1.0, grad_norm=1.3034, skipped=0, nan=0,
+                          tokens_per_s=15234.56, tflops_per_device=0.1234, mfu=0.0456)  # fmt: skip
+    assert line.startswith(MEGATRON)
+    assert line[len(MEGATRON) :] == " tokens per second: 15234.6 | TFLOP/s per device: 0.123 | MFU: 4.6% |"
+    m = ITERATION_RE.match(line)
+    assert (m["it"], m["samples"], m["lr"], m["loss"], m["gnorm"]) == (
+        "100",
+        "800",
+        "5.822E-05",
+        "7.448950E+00",
+        "1.303",
+    )
+    assert ITERATION_RE.match(MEGATRON)
+
+
+def test_skipped_iteration_has_no_grad_norm_and_still_matches():
+    line = iteration_line(iteration=3, train_iters=10, consumed_samples=6, elapsed_ms=1.0, lr=0.0,
+                          global_batch_size=2, loss=float("nan"), loss_scale=65536.0, grad_norm=None, skipped=1,
+                          nan=1, tokens_per_s=1.0, tflops_per_device=0.0, mfu=None)  # fmt: skip
+    assert "grad norm" not in line and "MFU" not in line
+    m = ITERATION_RE.match(line)
+    assert m["loss"] == "NAN" and m["skipped"] == "1" and m["scale"] == "65536.0"
+
+
+def test_validation_box():
+    bar, body, bar2 = validation_lines("iteration 10", math.log(100.0))
+    assert (
+        body
+        == " validation loss at iteration 10 | lm loss value: 4.605170E+00 | lm loss PPL: 1.000000E+02 | "
+    )
+    assert bar == bar2 == "-" * (len(body) + 1)
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_lr_schedule_warmup_decay_floor(style):
+    args = PretrainArgs(lr=1.0, min_lr=0.1, lr_decay_style=style, lr_decay_iters=100, lr_warmup_fraction=0.1,
+                        train_iters=120)  # fmt: skip
+    lr = LRSchedule(args)
+    assert [lr(i) for i in (1, 5, 10)] == pytest.approx([0.1, 0.5, 1.0])  # linear warm-up over 10
+    mid = 0.1 + 0.9 * (0.5 if style == "linear" else 0.5 * (math.cos(math.pi * 0.5) + 1))
+    assert lr(55) == pytest.approx(mid)
+    assert lr(100) == pytest.approx(0.1) and lr(120) == 0.1
+    assert all(lr(i) >= lr(i + 1) for i in range(10, 119))
+
+
+def test_model_flops_formula():
+    # GPT-2 small, 1 sample of 1024 tokens: 72 s L h^2 (1 + s/6h + V/16Lh) ~ 0.89 TFLOP (6 N s + attention)
+    args = PretrainArgs(num_layers=12, hidden_size=768, seq_length=1024, global_batch_size=1)
+    f = model_flops_per_iteration(args, 50304)
+    assert f == pytest.approx(72 * 1024 * 12 * 768**2 * (1 + 1024 / (6 * 768) + 50304 / (16 * 12 * 768)))
+    assert 0.8e12 < f < 1.0e12
+    args.recompute_activations = True
+    assert model_flops_per_iteration(args, 50304) == pytest.approx(f * 4 / 3)
