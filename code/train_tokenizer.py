@@ -18,12 +18,15 @@ from pathlib import Path
 
 from preprocess_data import read_documents
 
+from distlab import REPO_ROOT
 from distlab.gpt.tokenizer import stdlib_docstrings, train_bpe, write_corpus_jsonl
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--output-dir", default="data/gpt", help="where vocab.json and merges.txt go")
+    p.add_argument(
+        "--output-dir", default=str(REPO_ROOT / "data" / "gpt"), help="where vocab.json and merges.txt go"
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="tokens incl. 256 bytes and <|endoftext|>")
     p.add_argument("--input", default=None, help="text/JSON-lines corpus (default: stdlib docstrings)")
     p.add_argument("--json-key", default="text", help="key of the text in JSON lines")

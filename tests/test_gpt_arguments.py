@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distlab import REPO_ROOT
 from distlab.gpt.arguments import padded_vocab_size, parse_args, parse_split, validate_args
@@ -96,6 +97,7 @@ def test_unknown_argument_is_named(files, capsys):
         (["--save-interval", "5"], 4, "--save-interval 5 was given without --save"),
         (["--split", "a,b"], 4, "--split 'a,b' must be numbers"),
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], 4, "choose one"),
+        (["--profile-execution", "True", "--train-iters", "2"], 4, "needs --train-iters >= 3"),
     ],
 )
 def test_contradictions_are_refused_with_values(files, extra, world, message):
@@ -120,6 +122,12 @@ def test_missing_data_names_the_fix(tmp_path):
 def test_required_arguments_are_listed():
     with pytest.raises(ValueError, match="--num-layers is required; --hidden-size is required"):
         check(["--lr", "1"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of nccl without a GPU")
+def test_nccl_without_gpu_is_refused(files):
+    with pytest.raises(ValueError, match="--distributed-backend nccl: backend 'nccl' needs CUDA GPUs"):
+        check([*BASE, *files, "--distributed-backend", "nccl"])
 
 
 def test_vocab_padding_and_split():

@@ -21,6 +21,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
+from distlab.distributed import pick_backend
 from distlab.gpt.parallel_state import ParallelDims
 
 
@@ -88,6 +89,7 @@ class PretrainArgs:
     tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages")
     pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
+    pipeline_timeline: str = _f(None, "pp > 1: write the last step's F/B times per stage as JSON")
     distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
     distributed_timeout_minutes: float = _f(5.0, "collectives fail after waiting this long")
     local_rank: int = _f(None, "set by the legacy torch.distributed.launch; ignored (LOCAL_RANK wins)")
@@ -204,6 +206,11 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
             f"{args.max_position_embeddings}: raise the latter or shorten the sequence"
         )
+    if args.pipeline_timeline and args.pipeline_model_parallel_size == 1:
+        errors.append(
+            f"--pipeline-timeline {args.pipeline_timeline} needs --pipeline-model-parallel-size > 1, "
+            f"got {args.pipeline_model_parallel_size}"
+        )
     if args.fp16 and args.bf16:
         errors.append("--fp16 and --bf16 were both given: choose one precision")
     if args.min_lr > args.lr:
@@ -235,6 +242,10 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
         path = getattr(args, name)
         if path is None or not os.path.exists(path):
             errors.append(f"--{name.replace('_', '-')} {path} does not exist: run code/train_tokenizer.py")
+    try:
+        pick_backend(args.distributed_backend)
+    except ValueError as exc:
+        errors.append(f"--distributed-backend {args.distributed_backend}: {exc}")
     try:
         parse_split(args.split)
     except ValueError as exc:
