@@ -128,3 +128,13 @@ def test_scripts_fail_clearly_before_starting() -> None:
     absurd = _run_script("code/bandwidth_bench.py", "--spawn", "2", "--max-size", "1T")
     assert absurd.returncode == 2 and "choose --max-size" in absurd.stderr
     assert "spawning" not in absurd.stdout  # refused before any process started
+
+
+def test_log_lines_sorted_by_rank() -> None:
+    lines = ["[rank 10/12 b] y", "[rank 2/12 a] first", "[rank 0/12 c] z", "[rank 2/12 a] second"]
+    assert launch.by_rank(lines) == [
+        "[rank 0/12 c] z",
+        "[rank 2/12 a] first",
+        "[rank 2/12 a] second",
+        "[rank 10/12 b] y",
+    ]

@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from distlab.comm.bench import OPS, Row, read_results  # noqa: E402
+from distlab.comm.bench import OPS, Row, human, read_results  # noqa: E402
 
 _STYLES = ["-", "--", ":", "-."]
 
@@ -35,8 +35,11 @@ def plot_busbw(runs: dict[str, str | Path], out: str | Path, title: str = "") ->
                 left.plot(xs, ys, style, color=colours[op], marker="o", ms=3, label=f"{op} [{label}, n={n}]")
             if op in ("all_reduce", "ring_all_reduce"):
                 right.plot(xs, ys, style, color=colours[op], marker="o", ms=3, label=f"{op} [{label}, n={n}]")
+    sizes = sorted({r.bytes for rows in data.values() for r in rows})
     for ax, name in ((left, "collectives"), (right, "hand-written ring vs dist.all_reduce")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [human(s).replace(".0 ", " ") for s in sizes], fontsize=8)
+        ax.minorticks_off()
         ax.set_yscale("log")
         ax.set_xlabel("message size S (bytes)")
         ax.set_title(name)
