@@ -34,6 +34,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_lm_logits,
+    vocab_parallel_cross_entropy,
+)
+from distlab.gpt.tp_communications import gather_from_tensor_parallel
 
 
 @dataclass
@@ -67,16 +75,16 @@ class GPTConfig:
 
 
 def column_linear(in_features: int, out_features: int, state: ParallelState | None) -> nn.Linear:
-    """Y = XA + b with A's columns split over tp ranks (part 2 replaces it when tp > 1)."""
+    """Y = XA + b with A's columns split over tp ranks (ColumnParallelLinear when tp > 1)."""
     if state is not None and state.tp > 1:
-        raise NotImplementedError("tensor parallelism (tp > 1) arrives with part 2")
+        return ColumnParallelLinear(in_features, out_features, group=state.tp_group)
     return nn.Linear(in_features, out_features)
 
 
 def row_linear(in_features: int, out_features: int, state: ParallelState | None) -> nn.Linear:
-    """Y = XA + b with A's rows split over tp ranks (part 2 replaces it when tp > 1)."""
+    """Y = XA + b with A's rows split over tp ranks (RowParallelLinear when tp > 1)."""
     if state is not None and state.tp > 1:
-        raise NotImplementedError("tensor parallelism (tp > 1) arrives with part 2")
+        return RowParallelLinear(in_features, out_features, group=state.tp_group)
     return nn.Linear(in_features, out_features)
 
 
@@ -141,10 +149,12 @@ class GPTModel(nn.Module):
         pp_rank = state.pp_rank if state is not None else 0
         self.is_first = state.is_first_stage if state is not None else True
         self.is_last = state.is_last_stage if state is not None else True
-        if tp > 1:
-            raise NotImplementedError("vocab-parallel embedding (tp > 1) arrives with part 2")
+        self.tp_group = state.tp_group if tp > 1 else None  # vocab-parallel E, logits and loss
         if self.is_first:
-            self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # E: (V_pad, h)
+            if tp > 1:  # E: (V_pad / tp, h), rows split over tp ranks
+                self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=self.tp_group)
+            else:
+                self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # E: (V_pad, h)
             self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # P: (s_max, h)
             self.drop = nn.Dropout(cfg.hidden_dropout)
         per_stage = cfg.num_layers // pp
@@ -155,7 +165,9 @@ class GPTModel(nn.Module):
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
             if not self.is_first:  # own copy of E, kept equal to the first stage's by part 2
-                self.output_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+                self.output_weight = nn.Parameter(torch.empty(cfg.vocab_size // tp, cfg.hidden_size))
+                if tp > 1:
+                    self.output_weight.partition_dim = 0  # this rank's vocabulary rows, as wte
                 self.output_weight.init_name = "wte.weight"
                 self.output_weight.shared_embedding = True
         self.input_tensor: torch.Tensor | None = None  # hidden states from the previous stage
@@ -183,6 +195,11 @@ class GPTModel(nn.Module):
                 h = block(h)
         if not self.is_last:
             return h
+        if self.tp_group is not None:  # logits split by vocabulary: (B, T, V_pad / tp)
+            logits = parallel_lm_logits(self.ln_f(h), self.output_embedding(), self.tp_group)
+            if labels is None:
+                return gather_from_tensor_parallel(logits, self.tp_group)  # (B, T, V_pad)
+            return vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (B, T)
         logits = F.linear(self.ln_f(h), self.output_embedding())  # (B, T, V_pad)
         if labels is None:
             return logits

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .parallel_state import ParallelState
-from .pipeline_timeline import PipelineTimeline
+from .pipeline_timeline import PipelineTimeline, theoretical_bubble
 
 #: step(x, i): stage forward of micro-batch i. x is the received (B, T, H) activation (None on
 #: the first stage, which reads micro-batch i itself); returns the (B, T, H) output, or on the
@@ -240,6 +240,14 @@ def forward_only_pipeline(
             losses.append(y.detach())
         _communicate(state, spec, send_next=y)
     return losses
+
+
+def describe(schedule: str, p: int, m: int) -> str:
+    """The start-up line of a pipelined run."""
+    return (
+        f"> pipeline schedule {schedule}: {p} stages x {m} micro-batches per step, "
+        f"theoretical bubble (p-1)/(m+p-1) = {theoretical_bubble(p, m):.1%}"
+    )
 
 
 def make_forward_backward(

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.distributed import cap_cpu_threads, discover, init_distributed
 from distlab.gpt import checkpointing, log
+from distlab.gpt import pipeline_parallel as pipe
 from distlab.gpt.arguments import (
     ArgumentError,
     PretrainArgs,
@@ -33,9 +34,11 @@ from distlab.gpt.arguments import (
 )
 from distlab.gpt.gpt_dataset import build_datasets
 from distlab.gpt.loss_scaler import DynamicLossScaler, autocast, describe_precision
+from distlab.gpt.memory import memory_report
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.optimizer import LRSchedule, build_optimizer
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.pipeline_timeline import PipelineTimeline, bubble_summary, save_timeline
 from distlab.gpt.tokenizer import GPT2BPETokenizer
 from distlab.gpt.training import evaluate, forward_backward, micro_batches, train_step
 
@@ -55,11 +58,6 @@ def pretrain(argv: list[str] | None = None) -> dict:
         validate_args(args, discover().world_size)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
-    if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
-        raise ArgumentError(
-            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} / --pipeline-model-parallel-size "
-            f"{args.pipeline_model_parallel_size}: only 1 is supported until part 2 (tensor/pipeline parallelism)"
-        )
     ctx = init_distributed(args.distributed_backend, timeout_s=60 * args.distributed_timeout_minutes)
     try:
         return _pretrain(args, ctx)
@@ -159,7 +157,17 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
     tlog = log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device)
     history = tlog.history
     amp = lambda: autocast(args, device)  # noqa: E731
-    fwd_bwd = forward_backward  # part 2: pipeline_parallel.make_forward_backward(...) when pp > 1
+    fwd_bwd, timeline = forward_backward, None  # pp == 1: a loop over micro-batches (training.py)
+    first_iteration = iteration + 1  # of this run (after --load): the memory report follows it
+    if state.pp > 1:  # the stages run GPipe or 1F1B (pipeline_parallel.py); the loss lives on the last
+        ends = state.is_first_stage or state.is_last_stage  # the stages holding the tied embedding
+        pipe.sync_tied_embedding_(module.output_embedding() if ends else None, state)
+        if args.pipeline_timeline:
+            timeline = PipelineTimeline(state.pp_rank, state.pp, device, group=state.pp_group)
+        spec = pipe.P2PSpec((args.micro_batch_size, args.seq_length, args.hidden_size), torch.float32, device,
+                            timeout_s=60 * args.distributed_timeout_minutes)  # fmt: skip
+        fwd_bwd = pipe.make_forward_backward(state, spec, schedule=args.pipeline_schedule, timeline=timeline)
+        _print(pipe.describe(args.pipeline_schedule, state.pp, accum), on=rank0)
     step_timer = log.Timer(device)
     prof = log.StepProfiler(args, state.rank)
     _print("> training ...", on=rank0)
@@ -210,6 +218,8 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
         step_ms = 1000 * step_timer.stop()
         iteration += 1
         consumed += gbs
+        if iteration == first_iteration:  # collective: every rank's memory, printed by rank 0
+            _print(*memory_report(module, optimizer, device, state), on=rank0)
         prof.step()
         loss_scale = scaler.scale if scaler else 1.0
         line = tlog.record(iteration, consumed, loss=result.loss, grad_norm=result.grad_norm, skipped=result.skipped,
@@ -234,6 +244,13 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
     prof.stop()
     if args.save and saved_at != iteration:
         save(iteration)
+    if timeline is not None and timeline.events:  # collective over each pipeline group
+        gathered = timeline.gather()
+        if state.tp_rank == 0 and state.dp_rank == 0 and state.is_first_stage:
+            path = save_timeline({**gathered, "iteration": iteration}, args.pipeline_timeline)
+            _print(
+                f"> pipeline timeline of iteration {iteration} written to {path}: {bubble_summary(gathered)}"
+            )
     _print("[after training is done]", on=rank0)
     if iteration == args.train_iters and args.eval_iters:
         final = args.train_iters // args.eval_interval
