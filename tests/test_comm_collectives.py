@@ -99,3 +99,21 @@ def test_unknown_collective_is_named_with_a_guess() -> None:
         col.parse_names("allreduce", names)
     with pytest.raises(ValueError, match="no collective given"):
         col.parse_names(" , ", names)
+
+
+def test_diagrams_are_drawn(tmp_path) -> None:
+    from distlab.comm import diagrams
+
+    path = diagrams.draw("reduce_scatter", tmp_path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(diagrams.DIAGRAMS) >= {
+        "broadcast",
+        "scatter",
+        "gather",
+        "reduce",
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+    }
+    committed = {p.stem for p in (diagrams.REPO_ROOT / "images" / "collectives").glob("*.png")}
+    assert committed == set(diagrams.DIAGRAMS)  # every picture the notebook shows is committed
