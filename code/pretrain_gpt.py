@@ -1,4 +1,4 @@
-"""Pretrain a GPT with Megatron-LM's arguments and log lines (data parallelism; tp/pp: part 2).
+"""Pretrain a GPT with Megatron-LM's arguments and log lines (data, tensor and pipeline parallelism).
 
 Prepare the data once (offline: a tokenizer and a corpus from the Python standard library)::
 
@@ -31,6 +31,14 @@ Legacy launcher, run once per node with its --node_rank (it passes --local-rank,
 
     python -m torch.distributed.launch --nproc_per_node=2 --nnodes=2 --node_rank=0 \\
         --master_addr=node1 --master_port=29500 code/pretrain_gpt.py $ARGS
+
+The course's exercise layout, tensor parallel 2 x pipeline parallel 2 over 2 nodes x 2 GPUs
+(rank order tp-dp-pp: each node holds one pipeline stage, its two GPUs one tensor-parallel pair)::
+
+    srun torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d \\
+        --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT code/pretrain_gpt.py $ARGS \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b \\
+        --pipeline-timeline runs/gpt/timeline.json    # plot: distlab.gpt.pipeline_timeline.plot_timelines
 
 One srun task per rank, without torchrun (ranks from SLURM_PROCID)::
 

@@ -8,15 +8,18 @@ For tokens ``x`` (B, s) and L blocks::
     logits  = LNf(h_L) E^T                                    (B, s, V_pad), tied with E
     loss    = cross_entropy(logits, labels)                   per token, (B, s)
 
-Written for part 2 (tensor and pipeline parallelism) to slot in:
+Tensor and pipeline parallelism (``tensor_parallel.py``, ``pipeline_parallel.py``):
 
 - a stage holds the embedding only if ``state.is_first_stage``, blocks
   ``[pp_rank * L/pp, (pp_rank + 1) * L/pp)`` (keyed by their *global* index), and the final
   LayerNorm + output head only if ``state.is_last_stage``; a last stage that is not also the first
-  holds its own copy of ``E`` (``output_weight``), initialised identically;
-- ``qkv``/``fc1`` are column-like, ``proj``/``fc2`` row-like, built by ``column_linear`` /
-  ``row_linear``; the qkv output features are ordered ``(head, {q,k,v}, head_dim)``, so a
-  contiguous slice of rows is a set of whole heads, and ``heads_per_partition = n // tp``;
+  holds its own copy of ``E`` (``output_weight``), initialised identically, whose gradient the
+  pipeline sums with the first stage's (``allreduce_tied_embedding_grad``);
+- ``qkv``/``fc1`` are column-parallel, ``proj``/``fc2`` row-parallel when tp > 1, built by
+  ``column_linear`` / ``row_linear``; the qkv output features are ordered
+  ``(head, {q,k,v}, head_dim)``, so a contiguous slice of rows is a set of whole heads, and
+  ``heads_per_partition = n // tp``; E is vocabulary-parallel (V_pad / tp rows per rank) and the
+  loss is the vocabulary-parallel cross-entropy of the (B, s, V_pad / tp) logit slices;
 - initialisation is a function of ``--seed`` and the parameter's *global* name only: the
   full-size tensor is drawn from a generator seeded by (seed, name), then sliced along
   ``param.partition_dim`` (if set) at ``tp_rank``. Every layout starts from the same weights.
