@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from distlab.distributed import DistEnv, init_distributed, shutdown
 from distlab.gpt.parallel_state import ParallelDims, ParallelState
-
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,3 +101,16 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 def test_groups_as_built_on_4_ranks() -> None:
     mp.spawn(_worker, args=(4, free_port()), nprocs=4, join=True)
+
+
+def test_pipeline_flags_are_checked_before_compute() -> None:
+    from distlab.gpt.arguments import parse_args, validate_args
+
+    argv = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+    argv += "--train-iters 1 --lr 1e-3 --pipeline-timeline runs/t.json"
+    with pytest.raises(
+        ValueError, match=r"--pipeline-timeline runs/t.json needs --pipeline-model-parallel-size > 1, got 1"
+    ):
+        validate_args(parse_args(argv.split()), 1)
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parse_args((argv + " --pipeline-schedule zigzag").split())
