@@ -17,7 +17,8 @@ from distlab.distributed import DistEnv, init_distributed, shutdown
 pytestmark = pytest.mark.timeout(120)
 
 # 0 and lengths < world leave chunks empty; primes are never divisible by the world size
-LENGTHS = [0, 1, 2, 3, 5, 7, 13, 64, 1001]
+LENGTHS = [0, 1, 2, 3, 5, 7, 13, 1001]
+OTHER_OPS_LENGTHS = (3, 13)  # MAX, MIN, PRODUCT take the same code path: a few lengths suffice
 
 
 def _worker(rank: int, world: int, port: int) -> None:
@@ -25,7 +26,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     try:
         gen = torch.Generator().manual_seed(rank)
         for length in LENGTHS:
-            for op in ("SUM", "MAX", "MIN", "PRODUCT"):
+            for op in ("SUM", "MAX", "MIN", "PRODUCT") if length in OTHER_OPS_LENGTHS else ("SUM",):
                 x = torch.randn(length, generator=gen)  # (length,)
                 ref = x.clone()
                 dist.all_reduce(ref, op=getattr(dist.ReduceOp, op))

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.comm.ring import _exchange, ring_all_reduce
+from distlab.comm.ring import exchange, ring_all_reduce
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -144,7 +144,7 @@ def make_op(op: str, count: int, device: torch.device, group=None) -> Callable[[
         out = torch.zeros(count, dtype=DTYPE, device=device)
         inp = torch.zeros(count, dtype=DTYPE, device=device)
         right, left = (r + 1) % n, (r - 1) % n
-        return lambda: _exchange(out, right, inp, left, group)
+        return lambda: exchange(out, right, inp, left, group)
     raise ValueError(f"unknown benchmark op {op!r}: choose from {', '.join(OPS)}")
 
 

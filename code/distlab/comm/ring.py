@@ -31,7 +31,7 @@ _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group) -> None:
+def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group) -> None:
     """Send ``send`` to ``dst`` while receiving ``recv`` from ``src``, as one batch.
 
     ``batch_isend_irecv`` posts both before waiting; with nccl it also groups them into one
@@ -76,7 +76,7 @@ def ring_all_reduce(
     for s in range(n - 1):  # reduce-scatter
         send_i, recv_i = (r - s) % n, (r - s - 1) % n
         incoming = scratch[: chunks[recv_i].numel()]
-        _exchange(chunks[send_i], right, incoming, left, group)
+        exchange(chunks[send_i], right, incoming, left, group)
         chunks[recv_i].copy_(combine(chunks[recv_i], incoming))
         if trace:
             trace(
@@ -85,7 +85,7 @@ def ring_all_reduce(
 
     for s in range(n - 1):  # all-gather
         send_i, recv_i = (r + 1 - s) % n, (r - s) % n
-        _exchange(chunks[send_i], right, chunks[recv_i], left, group)
+        exchange(chunks[send_i], right, chunks[recv_i], left, group)
         if trace:
             trace(
                 f"all-gather step {s}: sent reduced chunk {send_i} to rank {right}, got reduced chunk {recv_i}"
