@@ -132,6 +132,7 @@ def _backward(
     timeline: PipelineTimeline | None,
 ) -> torch.Tensor | None:
     with timeline.record("B", i) if timeline else nullcontext():
+        dy = dy.to(y.dtype) if dy is not None else None  # travelled as spec.dtype
         torch.autograd.backward(y, grad_tensors=dy)  # dy None: y is the last stage's loss
     return x.grad if x is not None else None
 
