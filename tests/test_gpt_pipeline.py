@@ -16,6 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.testing import assert_close
+
 from distlab.distributed import DistEnv, init_distributed, shutdown
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel import (
@@ -31,10 +35,6 @@ from distlab.gpt.pipeline_timeline import (
     save_timeline,
     theoretical_bubble,
 )
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.testing import assert_close
-
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(240)
