@@ -168,8 +168,9 @@ def _worker(rank: int, world: int, port: int) -> None:
         shutdown()
 
 
-def test_tensor_parallel_layers_match_unsharded_and_dtensor() -> None:
-    mp.spawn(_worker, args=(2, free_port()), nprocs=2, join=True)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_layers_match_unsharded_and_dtensor(tp: int) -> None:
+    mp.spawn(_worker, args=(tp, free_port()), nprocs=tp, join=True)
 
 
 def test_single_rank_layers_are_plain_layers() -> None:
