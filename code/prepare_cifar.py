@@ -24,11 +24,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--data-dir", default=os.environ.get("LAB_DATA", str(REPO_ROOT / "data")))
-    p.add_argument("--source", choices=("generate", "download"), default="generate")
+    p.add_argument(
+        "--data-dir",
+        default=os.environ.get("LAB_DATA", str(REPO_ROOT / "data")),
+        help="cifar-10-batches-py is written inside it",
+    )
+    p.add_argument(
+        "--source",
+        choices=("generate", "download"),
+        default="generate",
+        help="generate: offline stand-in; download: the real CIFAR-10",
+    )
     p.add_argument("--train-per-batch", type=int, default=600, help="generated images per data_batch_k (x5)")
     p.add_argument("--test", type=int, default=1000, help="generated test images")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated images")
     p.add_argument("--force", action="store_true", help="replace a set that is already there")
     args = p.parse_args(argv)
     if args.train_per_batch < 1 or args.test < 1:

@@ -49,17 +49,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("LAB_DATA", str(REPO_ROOT / "data")),
         help="folder holding cifar-10-batches-py (prepare_cifar.py writes it)",
     )
-    p.add_argument("--model", default="resnet18", choices=sorted(LAYERS))
-    p.add_argument("--width", type=int, default=64, help="channels of layer1 (64 = torchvision's; 8 for CPU)")
-    p.add_argument("--stem", default="cifar", choices=STEMS, help="cifar: 3x3 conv, no pool")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--model", default="resnet18", choices=sorted(LAYERS), help="torchvision ResNet depth")
+    p.add_argument(
+        "--width",
+        type=int,
+        default=64,
+        help="channels of layer1 (64 = torchvision's; 16 with --stem imagenet for CPU runs)",
+    )
+    p.add_argument(
+        "--stem",
+        default="cifar",
+        choices=STEMS,
+        help="cifar: 3x3 conv, stride 1, no pool; imagenet: torchvision's 7x7/2 conv + max-pool",
+    )
+    p.add_argument("--epochs", type=int, default=10, help="epochs in total (the schedule spans them)")
     p.add_argument("--batch-size", type=int, default=128, help="PER RANK; global batch = this x world size")
     p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay per epoch)")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
     p.add_argument("--seed", type=int, default=0, help="same on every rank: same init, same shuffles")
     p.add_argument("--train-samples", type=int, default=0, help="use the first N training images (0: all)")
-    p.add_argument("--eval-batch-size", type=int, default=256)
+    p.add_argument("--eval-batch-size", type=int, default=256, help="per rank, for evaluation")
     p.add_argument(
         "--workers", type=int, default=-1, help="DataLoader workers per rank (-1: 4 on GPU, 0 on CPU)"
     )

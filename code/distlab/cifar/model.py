@@ -7,8 +7,8 @@ Stems:  ``imagenet``  conv 7x7 stride 2 + max-pool: 32x32 -> 8x8 before layer1 (
 
 ``width`` is the channel count of layer1 (64 in the paper); layers 2-4 use 2x, 4x, 8x of it.
 At ``width=64`` the network is exactly ``torchvision.models.resnet18``. Compute scales as
-width^2 and the cifar stem costs ~16x the imagenet one, so ``width=8`` is what a CPU can train in
-seconds and ``width=64, stem=cifar`` is what a GPU cluster runs.
+width^2 and the cifar stem costs ~16x the imagenet one, so ``width=16, stem=imagenet`` is what a
+CPU trains in seconds and ``width=64, stem=cifar`` is what a GPU cluster runs.
 """
 
 from __future__ import annotations
