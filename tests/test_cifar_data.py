@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torchvision.datasets import CIFAR10
 
+from distlab import REPO_ROOT
 from distlab.cifar import data, engine
 
 
@@ -83,3 +85,18 @@ def test_classes_are_learnable():
     centroids = np.stack([feats[fit][labels[fit] == k].mean(0) for k in range(10)])
     pred = np.argmin(((feats[held, None] - centroids[None]) ** 2).sum(-1), axis=1)
     assert (pred == labels[held]).mean() > 0.5, (pred == labels[held]).mean()  # chance is 0.1
+
+
+def test_prepare_is_idempotent_and_refuses_to_overwrite_silently(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("prepare_cifar", REPO_ROOT / "code" / "prepare_cifar.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    small = ["--data-dir", str(tmp_path), "--train-per-batch", "3", "--test", "4"]
+    assert prepare.main(small) == 0
+    first = (tmp_path / "cifar-10-batches-py" / data.MANIFEST).read_text()
+    assert prepare.main(small) == 0 and "already prepared" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="add --force"):
+        prepare.main([*small[:2], "--train-per-batch", "5", "--test", "4"])
+    assert (tmp_path / "cifar-10-batches-py" / data.MANIFEST).read_text() == first  # untouched
+    assert prepare.main([*small, "--seed", "1", "--force"]) == 0
+    assert (tmp_path / "cifar-10-batches-py" / data.MANIFEST).read_text() != first
