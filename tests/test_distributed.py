@@ -70,13 +70,17 @@ def test_torchrun_inside_srun_wins_over_slurm():
 
 
 def test_open_mpi_variables():
+    """Under Slurm, mpirun's ranks also inherit SLURM_* from the srun that started Open MPI's
+    daemons (one per node): OMPI_COMM_WORLD_* must win."""
     env = {
+        **SLURM_2x2,
+        "SLURM_PROCID": "1",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
         "OMPI_COMM_WORLD_RANK": "3",
         "OMPI_COMM_WORLD_SIZE": "4",
         "OMPI_COMM_WORLD_LOCAL_RANK": "1",
         "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NODELIST": "node[1-2]",
     }
     assert D.discover(env) == D.DistEnv(3, 4, 1, 2, "node1", 20000 + 4242, "mpirun")
 
