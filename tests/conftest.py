@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 
 import pytest
 
 from distlab import REPO_ROOT
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (bind to port 0 and ask)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster_available() -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,16 +21,11 @@ import torch.multiprocessing as mp
 from distlab import REPO_ROOT
 from distlab.cifar import data, engine
 from distlab.cifar.model import ModelSpec, build_model
+from distlab.distributed import free_port, torchrun_env
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPT = REPO_ROOT / "code" / "train_cifar.py"
 TINY = ["--width", "4", "--batch-size", "16", "--eval-batch-size", "32", "--lr", "0.05"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_script():
@@ -39,18 +33,6 @@ def load_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """The variables torchrun would give rank ``rank`` of ``world`` on one node."""
-    return dict(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
 
 
 def start_ranks(fn, args: tuple, world: int) -> None:
@@ -64,7 +46,7 @@ def _train_rank(rank: int, jobs: list[tuple[int, list[str], str]]) -> None:
     for world, argv, out in jobs:
         if rank < world:
             port = int(out.rsplit(":", 1)[1])
-            os.environ.update(rank_env(rank, world, port))
+            os.environ.update(torchrun_env(rank, world, port))
             records = load_script().main(argv)
             with open(f"{out.rsplit(':', 1)[0]}.{rank}.json", "w") as f:
                 json.dump(records, f)
@@ -153,7 +135,7 @@ def test_accuracy_does_not_depend_on_rank_count(tiny_data, tmp_path):
 
 def run_main(monkeypatch, argv: list[str], world: int = 1) -> str:
     """Call main in this process as rank 0 of ``world``; return the message it exits with."""
-    for key, value in rank_env(0, world, free_port()).items():
+    for key, value in torchrun_env(0, world, free_port()).items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exc:
         load_script().main(argv)

@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 from distlab.cluster import ClusterPaths, daemons
-from tests.conftest import cluster_available, free_port
+from distlab.distributed import free_port
+from tests.conftest import cluster_available
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,6 +54,21 @@ def test_start_stop_restart_are_safe_to_repeat(private_cluster):
     assert "slurmctld  stopped" in daemons.status(paths)
     assert "idle node[1-2]" in daemons.start(paths)  # restart keeps the key and the state
     assert srun_hostnames(paths) == ["node1", "node2"]
+
+
+def test_stop_with_a_running_job_cancels_it(private_cluster):
+    paths = private_cluster
+    daemons.start(paths)
+    env = {**os.environ, "SLURM_CONF": str(paths.conf)}
+    subprocess.run(
+        ["sbatch", "--wrap", "sleep 300", "--output=/dev/null"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    assert "(1 job(s) cancelled)" in daemons.stop(paths)
+    assert not daemons.is_up(paths)
 
 
 def test_stale_pid_files_are_ignored(private_cluster):

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from distlab import REPO_ROOT
 from distlab.comm import bench, launch
 from distlab.comm.plot import plot_busbw
-from distlab.distributed import DistEnv, init_distributed, shutdown
+from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,7 +79,7 @@ def _sweep_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_real_sweep_writes_consistent_rows(tmp_path) -> None:
     world, out = 2, tmp_path / "bw.csv"
-    mp.spawn(_sweep_worker, args=(world, launch.free_port(), str(out)), nprocs=world, join=True)
+    mp.spawn(_sweep_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
     rows = bench.read_results(out)
     assert {r.op for r in rows} == set(bench.OPS)
     for r in rows:

@@ -16,8 +16,7 @@ from torch.testing import assert_close
 
 from distlab.comm import collectives as col
 from distlab.comm import p2p
-from distlab.comm.launch import free_port
-from distlab.distributed import DistEnv, init_distributed, shutdown
+from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,9 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.testing import assert_close
 
-from distlab.comm.launch import free_port
 from distlab.comm.ring import ring_all_reduce
-from distlab.distributed import DistEnv, init_distributed, shutdown
+from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -31,12 +30,6 @@ SLURM_2x2 = {  # what srun exports to task 3 of `srun --nodes=2 --ntasks-per-nod
     "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
     "SLURM_NNODES": "2",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_variables():
@@ -148,7 +141,7 @@ def _srun_task(task: int, port: int, out: str) -> None:
 
 def test_srun_alone_starts_a_process_group(tmp_path):
     """Four 'srun tasks' (only SLURM_* variables) form one group: all-reduce of ranks = 0+1+2+3."""
-    mp.start_processes(_srun_task, args=(free_port(), str(tmp_path / "t")), nprocs=4, start_method="spawn")
+    mp.start_processes(_srun_task, args=(D.free_port(), str(tmp_path / "t")), nprocs=4, start_method="spawn")
     got = [json.loads((tmp_path / f"t.{i}.json").read_text()) for i in range(4)]
     assert got == [["srun", i, 4, i % 2, 6.0] for i in range(4)]
 
@@ -169,7 +162,7 @@ def test_mpirun_starts_a_process_group():
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))
     }
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(D.free_port()))
     out = subprocess.run(
         [
             "mpirun",
@@ -193,3 +186,30 @@ def test_mpirun_starts_a_process_group():
     assert out.returncode == 0, out.stderr[-2000:]
     got = sorted(json.loads(line) for line in out.stdout.splitlines() if line.startswith("["))
     assert got == [["mpirun", 0, 2, 0, 1.0], ["mpirun", 1, 2, 1, 1.0]]
+
+
+def test_stdout_writes_whole_lines(monkeypatch):
+    """Ranks share a log: after ``whole_line_stdout`` each line is one write, even unbuffered."""
+    import io
+
+    class Recorder(io.RawIOBase):
+        def __init__(self):
+            self.writes: list[bytes] = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.writes.append(bytes(b))
+            return len(b)
+
+    raw = Recorder()
+    unbuffered = io.TextIOWrapper(raw, write_through=True)  # what python -u makes of stdout
+    monkeypatch.setattr(sys, "stdout", unbuffered)
+    print("before", flush=True)
+    assert raw.writes == [b"before", b"\n"]  # the problem: text and newline apart
+    raw.writes.clear()
+    D.whole_line_stdout()
+    print("iteration 1 | lm loss: 7.0 |", flush=True)
+    print("a", "b")
+    assert raw.writes == [b"iteration 1 | lm loss: 7.0 |\n", b"a b\n"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distlab import REPO_ROOT
-from distlab.gpt.arguments import padded_vocab_size, parse_args, parse_split, validate_args
+from distlab.gpt.arguments import parse_args, parse_split, validate_args
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,10 +130,7 @@ def test_nccl_without_gpu_is_refused(files):
         check([*BASE, *files, "--distributed-backend", "nccl"])
 
 
-def test_vocab_padding_and_split():
-    assert padded_vocab_size(50257, 128, 1) == 50304
-    assert padded_vocab_size(50257, 128, 2) == 50432
-    assert padded_vocab_size(4096, 128, 4) == 4096
+def test_split():
     assert parse_split("949,50,1") == pytest.approx([0.949, 0.05, 0.001])
     assert parse_split("9,1") == pytest.approx([0.9, 0.1, 0.0])
 

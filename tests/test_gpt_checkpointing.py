@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distlab.distributed import free_port
 from distlab.gpt import checkpointing
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.local_run import free_port
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
 

@@ -13,19 +13,16 @@ the single-process reference on its rank 0, world 4 the layouts with 4 ranks.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from distlab.gpt.local_run import prepare_data
+from distlab.distributed import free_port
+from distlab.gpt.local_run import prepare_data, pretrain_as_rank
 from distlab.gpt.pipeline_timeline import load_timeline, plot_timelines
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -61,21 +58,9 @@ def _argv(data: list[str], tp: int, pp: int, schedule: str) -> list[str]:
 
 
 def _run(rank: int, world: int, argv: list[str], port: int, out: Path, name: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    from distlab.gpt.pretrain import pretrain
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        history = pretrain(argv)
-    history.pop("args", None)
-    (out / f"{name}.rank{rank}.json").write_text(json.dumps({**history, "log": buf.getvalue()}))
+    history = pretrain_as_rank(rank, world, port, argv, out / f"{name}.rank{rank}.log")
+    history["log"] = (out / f"{name}.rank{rank}.log").read_text()
+    (out / f"{name}.rank{rank}.json").write_text(json.dumps(history))
 
 
 def _worker(rank: int, world: int, runs: list, out: str) -> None:

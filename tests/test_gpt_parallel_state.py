@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distlab.distributed import DistEnv, init_distributed, shutdown
+from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
 from distlab.gpt.parallel_state import ParallelDims, ParallelState
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

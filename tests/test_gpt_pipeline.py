@@ -20,14 +20,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
-from distlab.distributed import DistEnv, init_distributed, shutdown
+from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.pipeline_parallel import (
-    P2PSpec,
-    finalize_gradients,
-    forward_backward_pipeline,
-    sync_tied_embedding_,
-)
+from distlab.gpt.pipeline_parallel import forward_backward_pipeline
 from distlab.gpt.pipeline_timeline import (
     PipelineTimeline,
     measured_bubble,
@@ -35,7 +30,7 @@ from distlab.gpt.pipeline_timeline import (
     save_timeline,
     theoretical_bubble,
 )
-from tests.conftest import free_port
+from distlab.gpt.pp_communications import P2PSpec, finalize_gradients, sync_tied_embedding_
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from distlab.distributed import DistEnv, init_distributed, shutdown
+from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
 from distlab.gpt.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -27,7 +27,6 @@ from distlab.gpt.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from distlab.gpt.tp_communications import gather_from_tensor_parallel
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from distlab import REPO_ROOT
-from distlab.gpt.local_run import free_port, prepare_data, spawn_pretrain
+from distlab.distributed import free_port
+from distlab.gpt.local_run import prepare_data, spawn_pretrain
 from distlab.gpt.log import ITERATION_RE
 
 pytestmark = pytest.mark.timeout(180)

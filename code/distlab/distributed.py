@@ -23,8 +23,11 @@ of hanging it.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import re
+import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -119,6 +122,25 @@ def discover(env: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, 1, addr, port, "single")
 
 
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and let the kernel choose)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1") -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of ``world_size`` processes on one node."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+    }
+
+
 def pick_backend(requested: str | None = None) -> str:
     """``nccl`` with CUDA, else ``gloo``; an explicit request is honoured and checked."""
     if requested in (None, "", "auto"):
@@ -180,12 +202,28 @@ class DistContext:
         return self.env.rank == 0
 
 
+def whole_line_stdout() -> None:
+    """Make every ``print`` reach stdout as one write of a whole line.
+
+    All ranks of a job write into the same log. Unbuffered stdout (``PYTHONUNBUFFERED=1``, which
+    job scripts set so that logs show progress live) writes a line's text and its newline
+    separately, and another rank's line can land between the two, breaking both for ``grep``.
+    Line buffering without write-through writes ``text + newline`` at once.
+    """
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
+
 def init_distributed(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     env: DistEnv | None = None,
 ) -> DistContext:
-    """Start the default process group for this process (also for a world of one)."""
+    """Start the default process group for this process (also for a world of one).
+
+    Also makes stdout write whole lines (:func:`whole_line_stdout`): ranks share the job's log.
+    """
+    whole_line_stdout()
     env = env or discover()
     backend = pick_backend(backend)
     device = pick_device(backend, env.local_rank)

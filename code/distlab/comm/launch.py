@@ -33,18 +33,18 @@ from collections.abc import Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distlab.distributed import DistContext, cap_cpu_threads, discover, init_distributed
+from distlab.distributed import (
+    DistContext,
+    cap_cpu_threads,
+    discover,
+    free_port,
+    init_distributed,
+    torchrun_env,
+)
 
 
 class LaunchError(ValueError):
     """A bad way of starting the script; :func:`run` prints it as one message and exits with 2."""
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and let the kernel choose)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_spawn_allowed(nprocs: int, script: str = "this script") -> None:
@@ -107,15 +107,7 @@ def _child(
     port: int,
 ) -> None:
     # What torchrun would have exported, told by the parent instead.
-    os.environ.update(
-        RANK=str(local_rank),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(nprocs),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DISTLAB_SPAWNED="1",
-    )
+    os.environ.update(torchrun_env(local_rank, nprocs, port), DISTLAB_SPAWNED="1")
     main(args)
 
 

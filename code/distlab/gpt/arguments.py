@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -146,12 +145,6 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
     """Parse a command line; unknown flags exit with argparse's message naming them."""
     ns = build_parser().parse_args(argv)
     return PretrainArgs(**vars(ns))
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Round the vocabulary up to a multiple of ``divisible_by x tp`` (Megatron's padding)."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def parse_split(split: str) -> list[float]:

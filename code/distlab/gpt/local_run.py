@@ -13,12 +13,12 @@ import contextlib
 import io
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from distlab.distributed import free_port, torchrun_env
 from distlab.gpt.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from distlab.gpt.tokenizer import GPT2BPETokenizer, stdlib_docstrings, train_bpe
 
@@ -60,22 +60,9 @@ def prepare_data(
     return files
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+def pretrain_as_rank(rank: int, world: int, port: int, argv: list[str], log: Path) -> dict:
+    """``pretrain(argv)`` as rank ``rank`` of ``world`` (torchrun's variables); stdout to ``log``."""
+    os.environ.update(torchrun_env(rank, world, port))
     from distlab.gpt.pretrain import pretrain
 
     buf = io.StringIO()
@@ -83,8 +70,13 @@ def _rank_main(rank: int, world: int, port: int, argv: list[str], out: str) -> N
         with contextlib.redirect_stdout(buf):
             history = pretrain(argv)
     finally:
-        Path(out, f"rank{rank}.log").write_text(buf.getvalue())
+        log.write_text(buf.getvalue())
     history.pop("args", None)
+    return history
+
+
+def _rank_main(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
+    history = pretrain_as_rank(rank, world, port, argv, Path(out, f"rank{rank}.log"))
     Path(out, f"rank{rank}.json").write_text(json.dumps(history))
 
 

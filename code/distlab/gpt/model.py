@@ -14,7 +14,7 @@ Tensor and pipeline parallelism (``tensor_parallel.py``, ``pipeline_parallel.py`
   ``[pp_rank * L/pp, (pp_rank + 1) * L/pp)`` (keyed by their *global* index), and the final
   LayerNorm + output head only if ``state.is_last_stage``; a last stage that is not also the first
   holds its own copy of ``E`` (``output_weight``), initialised identically, whose gradient the
-  pipeline sums with the first stage's (``allreduce_tied_embedding_grad``);
+  pipeline sums with the first stage's (``pp_communications.allreduce_tied_embedding_grad``);
 - ``qkv``/``fc1`` are column-parallel, ``proj``/``fc2`` row-parallel when tp > 1, built by
   ``column_linear`` / ``row_linear``; the qkv output features are ordered
   ``(head, {q,k,v}, head_dim)``, so a contiguous slice of rows is a set of whole heads, and

@@ -27,23 +27,21 @@ Megatron's ``finalize_model_grads`` does. The price is losing DDP's overlap of t
 with the backward; the result is exactly DDP's average.
 
 Tied embedding: the first stage holds E for the input, the last stage a copy for the logits.
-Both copies start equal (:func:`sync_tied_embedding_`) and their gradients are summed over
+Both copies start equal (``pp_communications.sync_tied_embedding_``) and their gradients are summed over
 ``state.embedding_group`` before the optimizer step, so they stay equal.
 """
 
 from __future__ import annotations
 
-import datetime
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .parallel_state import ParallelState
 from .pipeline_timeline import PipelineTimeline, theoretical_bubble
+from .pp_communications import P2PSpec, communicate, finalize_gradients
 
 #: step(x, i): stage forward of micro-batch i. x is the received (B, T, H) activation (None on
 #: the first stage, which reads micro-batch i itself); returns the (B, T, H) output, or on the
@@ -51,56 +49,6 @@ from .pipeline_timeline import PipelineTimeline, theoretical_bubble
 StageStep = Callable[[torch.Tensor | None, int], torch.Tensor]
 
 SCHEDULES = ("gpipe", "1f1b")
-
-
-@dataclass(frozen=True)
-class P2PSpec:
-    """What travels between stages: one (B, T, H) activation or gradient per micro-batch."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    timeout_s: float = 300.0
-
-
-def _communicate(
-    state: ParallelState,
-    spec: P2PSpec,
-    *,
-    send_next: torch.Tensor | None = None,
-    send_prev: torch.Tensor | None = None,
-    recv_prev: bool = False,
-    recv_next: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Post every send and receive at once (so neighbours never wait on each other), then wait.
-
-    Returns (tensor from the previous stage, tensor from the next stage). Peers are global ranks
-    of this rank's pipeline group; a stage without that neighbour skips the operation.
-    """
-    ops: list[tuple[Callable, torch.Tensor, int]] = []
-    from_prev = from_next = None
-    if recv_prev and not state.is_first_stage:
-        from_prev = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
-        ops.append((dist.irecv, from_prev, state.stage_rank(state.pp_rank - 1)))
-    if recv_next and not state.is_last_stage:
-        from_next = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
-        ops.append((dist.irecv, from_next, state.stage_rank(state.pp_rank + 1)))
-    for tensor, peer_stage, ok in (
-        (send_next, state.pp_rank + 1, not state.is_last_stage),
-        (send_prev, state.pp_rank - 1, not state.is_first_stage),
-    ):
-        if tensor is not None and ok:
-            tensor = tensor.to(spec.dtype)  # autocast may leave a half-precision activation
-            if tuple(tensor.shape) != tuple(spec.shape):
-                raise ValueError(
-                    f"pipeline stage {state.pp_rank} sends shape {tuple(tensor.shape)} but "
-                    f"the schedule expects {tuple(spec.shape)} (micro-batch, sequence, hidden)"
-                )
-            ops.append((dist.isend, tensor.detach().contiguous(), state.stage_rank(peer_stage)))
-    works = [op(t, peer, group=state.pp_group) for op, t, peer in ops]
-    for w in works:
-        w.wait(timeout=datetime.timedelta(seconds=spec.timeout_s))
-    return from_prev, from_next
 
 
 def _forward(
@@ -150,15 +98,15 @@ def run_gpipe(
     losses: list[torch.Tensor] = []
     saved = []
     for i in range(m):
-        x, _ = _communicate(state, spec, recv_prev=True)
+        x, _ = communicate(state, spec, recv_prev=True)
         y = _forward(step, x, i, scale, losses, state, timeline)
-        _communicate(state, spec, send_next=y)
+        communicate(state, spec, send_next=y)
         saved.append((x, y))
     for i in range(m):
-        _, dy = _communicate(state, spec, recv_next=True)
+        _, dy = communicate(state, spec, recv_next=True)
         x, y = saved[i]
         dx = _backward(x, y, dy, i, timeline)
-        _communicate(state, spec, send_prev=dx)
+        communicate(state, spec, send_prev=dx)
         saved[i] = None  # free micro-batch i's activations
     return losses
 
@@ -178,24 +126,24 @@ def run_1f1b(
     losses: list[torch.Tensor] = []
     saved: deque = deque()
     for i in range(warmup):
-        x, _ = _communicate(state, spec, recv_prev=True)
+        x, _ = communicate(state, spec, recv_prev=True)
         y = _forward(step, x, i, scale, losses, state, timeline)
-        _communicate(state, spec, send_next=y)
+        communicate(state, spec, send_next=y)
         saved.append((x, y))
-    x = _communicate(state, spec, recv_prev=True)[0] if steady else None
+    x = communicate(state, spec, recv_prev=True)[0] if steady else None
     for j in range(steady):
         y = _forward(step, x, warmup + j, scale, losses, state, timeline)
-        _, dy = _communicate(state, spec, send_next=y, recv_next=True)  # F_{w+j} out, dB_j in
+        _, dy = communicate(state, spec, send_next=y, recv_next=True)  # F_{w+j} out, dB_j in
         saved.append((x, y))
         x_b, y_b = saved.popleft()
         dx = _backward(x_b, y_b, dy, j, timeline)
         last = j == steady - 1
-        x, _ = _communicate(state, spec, send_prev=dx, recv_prev=not last)
+        x, _ = communicate(state, spec, send_prev=dx, recv_prev=not last)
     for i in range(steady, m):
-        _, dy = _communicate(state, spec, recv_next=True)
+        _, dy = communicate(state, spec, recv_next=True)
         x_b, y_b = saved.popleft()
         dx = _backward(x_b, y_b, dy, i, timeline)
-        _communicate(state, spec, send_prev=dx)
+        communicate(state, spec, send_prev=dx)
     return losses
 
 
@@ -235,11 +183,11 @@ def forward_only_pipeline(
     """Evaluation: forwards only, each sent on at once; the losses on the last stage."""
     losses: list[torch.Tensor] = []
     for i in range(num_microbatches):
-        x, _ = _communicate(state, spec, recv_prev=True)
+        x, _ = communicate(state, spec, recv_prev=True)
         y = step(x, i)
         if state.is_last_stage:
             losses.append(y.detach())
-        _communicate(state, spec, send_next=y)
+        communicate(state, spec, send_next=y)
     return losses
 
 
@@ -305,56 +253,3 @@ def make_forward_backward(
         return torch.zeros((), dtype=torch.float32, device=spec.device)
 
     return forward_backward
-
-
-@torch.no_grad()
-def sync_tied_embedding_(weight: torch.Tensor | None, state: ParallelState) -> None:
-    """Copy the first stage's E onto the last stage's copy (call once, after initialisation)."""
-    if state.pp == 1 or state.embedding_group is None:
-        return
-    if weight is None:
-        raise ValueError(f"stage {state.pp_rank} is in the embedding group but passed no embedding weight")
-    dist.broadcast(weight, src=state.stage_rank(0), group=state.embedding_group)
-
-
-@torch.no_grad()
-def allreduce_tied_embedding_grad(weight: torch.Tensor | None, state: ParallelState) -> None:
-    """dE = dE_first + dE_last on both the first and the last stage (E is one parameter, used twice)."""
-    if state.pp == 1 or state.embedding_group is None:
-        return
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=state.embedding_group)
-
-
-@torch.no_grad()
-def allreduce_data_parallel_grads(params: Iterable[torch.nn.Parameter], state: ParallelState) -> None:
-    """grad = mean over the dp replicas of grad: one flat all-reduce over ``state.dp_group``."""
-    if state.dp == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=state.dp_group)
-    flat /= state.dp
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def finalize_gradients(
-    params: Iterable[torch.nn.Parameter],
-    tied_weight: torch.Tensor | None,
-    state: ParallelState,
-    *,
-    data_parallel: bool = True,
-) -> None:
-    """After the schedule: sum the tied embedding's two gradients, then average over dp.
-
-    Pass ``data_parallel=False`` when DDP already averaged (pp == 1, synchronising backward).
-    """
-    allreduce_tied_embedding_grad(tied_weight, state)
-    if data_parallel:
-        allreduce_data_parallel_grads(params, state)

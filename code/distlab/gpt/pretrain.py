@@ -27,7 +27,6 @@ from distlab.gpt import pipeline_parallel as pipe
 from distlab.gpt.arguments import (
     ArgumentError,
     PretrainArgs,
-    padded_vocab_size,
     parse_args,
     parse_split,
     validate_args,
@@ -39,6 +38,8 @@ from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.optimizer import LRSchedule, build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_timeline import PipelineTimeline, bubble_summary, save_timeline
+from distlab.gpt.pp_communications import P2PSpec, sync_tied_embedding_
+from distlab.gpt.tensor_parallel import pad_vocab_size
 from distlab.gpt.tokenizer import GPT2BPETokenizer
 from distlab.gpt.training import evaluate, forward_backward, micro_batches, train_step
 
@@ -85,7 +86,7 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
         on=rank0,
     )
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
-    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
+    vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
     _print(
         f"> padded vocab (size: {tokenizer.vocab_size}) with {vocab - tokenizer.vocab_size} dummy tokens "
         f"(new size: {vocab})",
@@ -161,10 +162,10 @@ def _pretrain(args: PretrainArgs, ctx) -> dict:
     first_iteration = iteration + 1  # of this run (after --load): the memory report follows it
     if state.pp > 1:  # the stages run GPipe or 1F1B (pipeline_parallel.py); the loss lives on the last
         ends = state.is_first_stage or state.is_last_stage  # the stages holding the tied embedding
-        pipe.sync_tied_embedding_(module.output_embedding() if ends else None, state)
+        sync_tied_embedding_(module.output_embedding() if ends else None, state)
         if args.pipeline_timeline:
             timeline = PipelineTimeline(state.pp_rank, state.pp, device, group=state.pp_group)
-        spec = pipe.P2PSpec((args.micro_batch_size, args.seq_length, args.hidden_size), torch.float32, device,
+        spec = P2PSpec((args.micro_batch_size, args.seq_length, args.hidden_size), torch.float32, device,
                             timeout_s=60 * args.distributed_timeout_minutes)  # fmt: skip
         fwd_bwd = pipe.make_forward_backward(state, spec, schedule=args.pipeline_schedule, timeline=timeline)
         _print(pipe.describe(args.pipeline_schedule, state.pp, accum), on=rank0)
