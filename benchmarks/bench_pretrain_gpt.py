@@ -26,13 +26,14 @@ import time
 import torch
 
 from distlab import REPO_ROOT
-from distlab.distributed import usable_cpus
-from distlab.gpt.arguments import padded_vocab_size, parse_args, parse_split, validate_args
+from distlab.distributed import free_port, usable_cpus
+from distlab.gpt.arguments import parse_args, parse_split, validate_args
 from distlab.gpt.gpt_dataset import build_datasets
-from distlab.gpt.local_run import free_port, prepare_data, spawn_pretrain
+from distlab.gpt.local_run import prepare_data, spawn_pretrain
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.optimizer import LRSchedule, build_optimizer
 from distlab.gpt.pretrain import pretrain
+from distlab.gpt.tensor_parallel import pad_vocab_size
 from distlab.gpt.tokenizer import GPT2BPETokenizer
 
 #                name         layers hidden heads seq micro  (global batch = micro: world size 1)
@@ -56,7 +57,7 @@ def plain_loop(argv: list[str]) -> list[float]:
     args = parse_args(argv)
     validate_args(args, 1)
     torch.set_num_threads(usable_cpus())
-    vocab = padded_vocab_size(GPT2BPETokenizer(args.vocab_file, args.merge_file).vocab_size, 128, 1)
+    vocab = pad_vocab_size(GPT2BPETokenizer(args.vocab_file, args.merge_file).vocab_size, 128, 1)
     cfg = GPTConfig(args.num_layers, args.hidden_size, args.num_attention_heads, vocab, args.seq_length,
                     seed=args.seed)  # fmt: skip
     model = GPTModel(cfg)

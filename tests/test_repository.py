@@ -67,3 +67,19 @@ def test_generated_folders_are_ignored():
     ]
     out = subprocess.run(["git", "check-ignore", *probe], cwd=REPO_ROOT, capture_output=True, text=True)
     assert sorted(out.stdout.split()) == sorted(probe)
+
+
+def test_every_module_and_script_imports():
+    """Catches a name removed from the library but still imported by a script nobody ran."""
+    import importlib
+    import importlib.util
+    import pkgutil
+
+    import distlab
+
+    for mod in pkgutil.walk_packages(distlab.__path__, "distlab."):
+        if not mod.name.endswith("__main__"):
+            importlib.import_module(mod.name)
+    for path in [*REPO_ROOT.glob("code/*.py"), *REPO_ROOT.glob("benchmarks/*.py")]:
+        spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))  # guarded by __main__
