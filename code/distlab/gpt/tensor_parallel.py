@@ -78,6 +78,17 @@ def vocab_padding_message(vocab_size: int, padded: int) -> str:
     )
 
 
+@torch.no_grad()
+def _reset_from_master(layer: nn.Module, init_method: InitMethod) -> None:
+    """Draw the unsharded weight (out, in) from the RNG (the same on every layout), bias 0, and
+    let ``layer.load_full_`` keep this rank's part."""
+    full = torch.empty(
+        layer.out_features, layer.in_features, device=layer.weight.device, dtype=layer.weight.dtype
+    )
+    init_method(full)
+    layer.load_full_(full, torch.zeros(layer.out_features) if layer.bias is not None else None)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b, A = [A_1, ..., A_p] split by columns; rank r computes Y_r = X A_r + b_r.
 
@@ -118,11 +129,7 @@ class ColumnParallelLinear(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, init_method: InitMethod = _linear_default_init) -> None:
         """Initialise the master weight (out, in) from the RNG, keep this rank's rows; bias 0."""
-        full = torch.empty(
-            self.out_features, self.in_features, device=self.weight.device, dtype=self.weight.dtype
-        )
-        init_method(full)
-        self.load_full_(full, torch.zeros(self.out_features) if self.bias is not None else None)
+        _reset_from_master(self, init_method)
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -181,11 +188,7 @@ class RowParallelLinear(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, init_method: InitMethod = _linear_default_init) -> None:
         """Initialise the master weight (out, in) from the RNG, keep this rank's columns; bias 0."""
-        full = torch.empty(
-            self.out_features, self.in_features, device=self.weight.device, dtype=self.weight.dtype
-        )
-        init_method(full)
-        self.load_full_(full, torch.zeros(self.out_features) if self.bias is not None else None)
+        _reset_from_master(self, init_method)
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
