@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,65 @@ def test_timed_out_job_is_reported_as_timeout(slurm_cluster, tmp_path):
 def test_wait_has_a_timeout_and_cancels(slurm_cluster, tmp_path):
     script = write_job(tmp_path, "waits", "sleep 600\n")
     job = jobs.submit(script)
-    with pytest.raises(jobs.JobTimeout, match="cancelled it"):
+    with pytest.raises(jobs.JobTimeout, match="of running .* cancelled it"):
         jobs.wait(job, timeout=3)
     assert jobs.wait(job, timeout=60, check=False).state == "CANCELLED"
+
+
+def release_later(job_id: int, seconds: float) -> threading.Timer:
+    """``scontrol release`` the held job after ``seconds``, as an operator (or the user) would."""
+    timer = threading.Timer(seconds, subprocess.run, [["scontrol", "release", str(job_id)]])
+    timer.start()
+    return timer
+
+
+def test_held_job_is_waited_for_not_cancelled(slurm_cluster, tmp_path, capsys):
+    """Queue time does not count against ``timeout``; the pending reason is shown while it waits."""
+    script = write_job(tmp_path, "held", "echo ran\n")
+    job = jobs.submit(script, "--hold")
+    timer = release_later(job.id, 6)
+    try:
+        jobs.wait(job, timeout=3, pending_timeout=120)  # 3 s of running, after 6 s held
+    finally:
+        timer.cancel()
+    assert job.state == "COMPLETED" and job.grep("^ran$")
+    assert job.pending_s >= 5, job.pending_s
+    shown = capsys.readouterr().out
+    assert f"job {job.id} held.sbatch: PENDING" in shown and "(JobHeldUser)" in shown, shown
+
+
+def test_dependency_is_waited_for(slurm_cluster, tmp_path, capsys):
+    first = jobs.submit(write_job(tmp_path, "first", "sleep 5\n"))
+    second = jobs.submit(write_job(tmp_path, "second", "echo after\n"), f"--dependency=afterok:{first.id}")
+    jobs.wait(second, timeout=30, pending_timeout=120)
+    assert second.grep("^after$") and "(Dependency)" in capsys.readouterr().out
+
+
+def test_pending_has_its_own_limit(slurm_cluster, tmp_path):
+    job = jobs.submit(write_job(tmp_path, "stays-held", "true\n"), "--hold")
+    with pytest.raises(jobs.JobTimeout, match=r"still PENDING \(JobHeldUser\) after \d+ s in the queue"):
+        jobs.wait(job, timeout=600, pending_timeout=3)
+    assert jobs.wait(job, timeout=30, check=False).state == "CANCELLED"
+
+
+def test_request_that_can_never_run_is_cancelled_with_the_reason(slurm_cluster, tmp_path):
+    failed = jobs.run(write_job(tmp_path, "fails-first", "exit 3\n"), timeout=60, check=False)
+    assert failed.state == "FAILED"
+    orphan = jobs.submit(write_job(tmp_path, "orphan", "true\n"), f"--dependency=afterok:{failed.id}")
+    with pytest.raises(jobs.JobError, match="can never start: Slurm says DependencyNeverSatisfied"):
+        jobs.wait(orphan, timeout=60, pending_timeout=120)
+    assert jobs.wait(orphan, timeout=30, check=False).state == "CANCELLED"
+
+
+def test_cpus_per_task_reach_every_step(slurm_cluster, tmp_path):
+    """Since Slurm 22.05 srun does not inherit --cpus-per-task: job-env.sh passes it on."""
+    body = """
+        echo "batch OMP_NUM_THREADS=$OMP_NUM_THREADS SRUN_CPUS_PER_TASK=$SRUN_CPUS_PER_TASK"
+        srun bash -c 'echo "step $SLURM_PROCID cpus=$SLURM_CPUS_PER_TASK omp=$OMP_NUM_THREADS"'
+    """
+    job = jobs.run(
+        write_job(tmp_path, "cpus", body, "#SBATCH --nodes=2", "#SBATCH --cpus-per-task=3"), timeout=60
+    )
+    assert job.grep(r"^batch OMP_NUM_THREADS=3 SRUN_CPUS_PER_TASK=3$")
+    assert sorted(job.grep(r"^step ")) == ["step 0 cpus=3 omp=3", "step 1 cpus=3 omp=3"]
+    assert job.grep(r" cpus/task=3$")

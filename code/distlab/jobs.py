@@ -2,10 +2,13 @@
 
 Contract:
     * ``submit`` returns a :class:`Job` or raises :class:`JobError` carrying sbatch's own message;
-    * ``wait`` polls until the job ends, never longer than ``timeout`` seconds (then the job is
-      cancelled and :class:`JobTimeout` raised), showing state, elapsed time and the log's last
-      lines; a job that ends in any state but COMPLETED raises :class:`JobFailed` with the job's
-      own error lines;
+    * ``wait`` polls until the job ends and counts its time in two parts: *pending* (queued for
+      resources, priority, a dependency or a hold; its reason shown live) up to
+      ``pending_timeout`` (default ``$LAB_PENDING_TIMEOUT`` or 3600 s), and *running* up to
+      ``timeout``. Past either, the job is cancelled and :class:`JobTimeout` raised. A request
+      that can never run (more nodes than the partition has, a time limit over its maximum, a
+      dependency that can no longer be met) is cancelled at once, with Slurm's reason. A job that
+      ends in any state but COMPLETED raises :class:`JobFailed` with the job's own error lines;
     * ``run`` is ``wait(submit(...))``.
 
 The site profile (``distlab.site``) is applied at submission, so ``SBATCH_PARTITION`` and friends
@@ -20,102 +23,21 @@ import re
 import shlex
 import subprocess
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from distlab import site
 from distlab.cluster.config import local_paths
-
-#: Lines of a failed job's log worth showing first.
-ERROR_PATTERN = re.compile(
-    r"error|exception|traceback|killed|cancelled|time limit|out of memory|oom|failed|denied|"
-    r"not found|no such file|refused|timed out",
-    re.IGNORECASE,
+from distlab.slurm_job import (
+    FINAL_STATES,
+    HOPELESS_REASONS,
+    WAITING_STATES,
+    Job,
+    JobError,
+    JobFailed,
+    JobTimeout,
 )
-FINAL_STATES = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "OUT_OF_MEMORY",
-    "NODE_FAIL",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "SPECIAL_EXIT",
-}
-#: Pending reasons that waiting cannot cure: the request exceeds what the partition offers.
-HOPELESS_REASONS = {
-    "PartitionNodeLimit",
-    "PartitionTimeLimit",
-    "PartitionConfig",
-    "BadConstraints",
-    "ReqNodeNotAvail",
-    "InvalidQOS",
-    "InvalidAccount",
-    "DependencyNeverSatisfied",
-}
 
-
-class JobError(RuntimeError):
-    """sbatch refused the script, or Slurm could not be asked."""
-
-
-@dataclass
-class Job:
-    """A submitted batch job and what Slurm last said of it."""
-
-    id: int
-    script: Path
-    log_path: Path | None = None
-    state: str = "PENDING"
-    elapsed: str = "0:00"
-    exit_code: str = ""
-    nodes: str = ""
-    reason: str = ""
-    info: dict[str, str] = field(default_factory=dict, repr=False)
-
-    def log(self) -> str:
-        """The job's output file, as far as it has been written ('' before it exists)."""
-        if self.log_path and self.log_path.exists():
-            return self.log_path.read_text(errors="replace")
-        return ""
-
-    def grep(self, pattern: str) -> list[str]:
-        """Lines of the log that match the regular expression ``pattern``."""
-        rx = re.compile(pattern)
-        return [line for line in self.log().splitlines() if rx.search(line)]
-
-    def tail(self, n: int = 10) -> list[str]:
-        return self.log().splitlines()[-n:]
-
-    def error_lines(self, n: int = 15) -> list[str]:
-        return [line for line in self.log().splitlines() if ERROR_PATTERN.search(line)][-n:]
-
-
-class JobFailed(JobError):
-    """The job ended in a state other than COMPLETED."""
-
-    def __init__(self, job: Job):
-        self.job = job
-        errors = job.error_lines()
-        tail = job.tail(10)
-        text = [
-            f"job {job.id} ({job.script.name}) ended {job.state} (exit code {job.exit_code}) "
-            f"after {job.elapsed} on {job.nodes or '-'}"
-        ]
-        if job.state == "TIMEOUT":
-            text.append("it ran past its time limit (--time): shorten the work or raise the limit")
-        if job.state == "OUT_OF_MEMORY":
-            text.append("it ran out of memory: smaller batch or model, or ask for more (--mem)")
-        if errors:
-            text += ["--- error lines of its log ---", *errors]
-        text += [f"--- last lines of {job.log_path} ---", *tail]
-        super().__init__("\n".join(text))
-
-
-class JobTimeout(JobError):
-    """Waiting for the job took longer than the caller allowed; the job was cancelled."""
+DEFAULT_PENDING_TIMEOUT = 3600.0
 
 
 def _slurm_env() -> dict[str, str]:
@@ -138,14 +60,18 @@ def _slurm(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
         ) from e
 
 
-def setup_notebook(folder: str | Path = "jobs") -> None:
-    """Prepare a notebook's session: job folder, site environment, and a look at the cluster."""
+def setup_notebook(folder: str | Path = "jobs") -> Path:
+    """Prepare a notebook's session: job folder, site environment, and a look at the cluster.
+
+    The site profile goes into this session's environment, so that ``!sbatch``, ``!srun`` and
+    ``!salloc`` typed in a cell use the site's partition, account and QOS as ``jobs.submit`` does.
+    """
     jobs_dir = Path(folder).resolve()
     jobs_dir.mkdir(parents=True, exist_ok=True)
     env = _slurm_env()
-    for key in ("LAB_ROOT", "LAB_SITE", "SLURM_CONF"):
-        if key in env:
-            os.environ[key] = env[key]
+    os.environ.update(site.command_env(site.profile_env()))
+    if "SLURM_CONF" in env:
+        os.environ["SLURM_CONF"] = env["SLURM_CONF"]
     out = _slurm(["sinfo", "-h", "-o", "%P %a %D %T %N %G"])
     if out.returncode != 0:
         hint = "start it with `./lab cluster start`" if env["LAB_SITE"] == "local" else "check your site"
@@ -198,12 +124,16 @@ def refresh(job: Job) -> Job:
     return job
 
 
+def _status(job: Job) -> str:
+    if job.state.split()[0] in WAITING_STATES:
+        why = f" ({job.reason})" if job.reason and job.reason != "None" else ""
+        return f"{job.state} for {job.pending_s:.0f} s{why}"
+    pended = f" after {job.pending_s:.0f} s pending" if job.pending_s >= 1 else ""
+    return f"{job.state} (ran {job.elapsed}{pended})"
+
+
 def _display(job: Job, tail: int, handle) -> object:
-    text = (
-        f"job {job.id} {job.script.name}: {job.state:<11s} elapsed {job.elapsed}"
-        f"{'  (' + job.reason + ')' if job.state == 'PENDING' and job.reason else ''}"
-        f"{'  on ' + job.nodes if job.nodes else ''}"
-    )
+    text = f"job {job.id} {job.script.name}: {_status(job)}{'  on ' + job.nodes if job.nodes else ''}"
     lines = [text, *("  | " + line for line in job.tail(tail))] if tail else [text]
     try:
         from IPython import get_ipython
@@ -218,33 +148,67 @@ def _display(job: Job, tail: int, handle) -> object:
         else:
             update_display(content, raw=True, display_id=handle)
         return handle
-    if handle != text.split(" elapsed")[0] + job.state:
+    key = f"{job.state} {job.reason}"  # outside IPython: one line per change of state or reason
+    if handle != key:
         print(text, flush=True)
-    return text.split(" elapsed")[0] + job.state
+    return key
 
 
-def wait(job: Job, timeout: float = 600, poll: float = 1.0, tail: int = 5, check: bool = True) -> Job:
-    """Wait until the job ends; raise JobFailed unless COMPLETED (when ``check``)."""
-    deadline = time.monotonic() + timeout
-    handle = None
+def _check_limits(job: Job, timeout: float, pending_timeout: float) -> None:
+    """Cancel and raise when the job can never start or has used up its pending or running time."""
+    waiting = job.state.split()[0] in WAITING_STATES
+    reason = job.reason.split(",")[0]
+    if waiting and reason in HOPELESS_REASONS:
+        _slurm(["scancel", str(job.id)])
+        raise JobError(
+            f"job {job.id} ({job.script.name}) can never start: Slurm says {job.reason}, "
+            f"{HOPELESS_REASONS[reason]}. Cancelled it; ask for fewer nodes, GPUs or less time "
+            "(`sinfo` and `scontrol show partition` show what the partition has)"
+        )
+    if waiting and job.pending_s > pending_timeout:
+        _slurm(["scancel", str(job.id)])
+        raise JobTimeout(
+            f"job {job.id} ({job.script.name}) still {job.state} ({job.reason}) after "
+            f"{job.pending_s:.0f} s in the queue: cancelled it. On a busy cluster raise "
+            "pending_timeout= (or $LAB_PENDING_TIMEOUT), or ask for less"
+        )
+    if not waiting and job.running_s > timeout:
+        _slurm(["scancel", str(job.id)])
+        raise JobTimeout(
+            f"job {job.id} ({job.script.name}) still {job.state} after {job.running_s:.0f} s "
+            f"of running (timeout={timeout:.0f} s; it pended {job.pending_s:.0f} s before): "
+            "cancelled it. Last lines:\n" + "\n".join(job.tail(10))
+        )
+
+
+def wait(
+    job: Job,
+    timeout: float = 600,
+    poll: float = 1.0,
+    tail: int = 5,
+    check: bool = True,
+    pending_timeout: float | None = None,
+) -> Job:
+    """Wait until the job ends; raise JobFailed unless COMPLETED (when ``check``).
+
+    ``timeout`` bounds the running time, ``pending_timeout`` (default ``$LAB_PENDING_TIMEOUT``
+    or 3600 s) the time in the queue; both are counted from what this call sees.
+    """
+    if pending_timeout is None:
+        pending_timeout = float(os.environ.get("LAB_PENDING_TIMEOUT", DEFAULT_PENDING_TIMEOUT))
+    handle, last = None, time.monotonic()
     while True:
         refresh(job)
+        now = time.monotonic()
+        if job.state.split()[0] in WAITING_STATES:
+            job.pending_s += now - last
+        else:
+            job.running_s += now - last
+        last = now
         handle = _display(job, tail, handle)
         if job.state.split()[0] in FINAL_STATES:
             break
-        if job.state == "PENDING" and job.reason.split(",")[0] in HOPELESS_REASONS:
-            _slurm(["scancel", str(job.id)])
-            raise JobError(
-                f"job {job.id} ({job.script.name}) can never start: Slurm says "
-                f"{job.reason}. Cancelled it; ask for fewer nodes, GPUs or less time "
-                "(`sinfo` shows what the partition has)"
-            )
-        if time.monotonic() > deadline:
-            _slurm(["scancel", str(job.id)])
-            raise JobTimeout(
-                f"job {job.id} ({job.script.name}) still {job.state} after {timeout:.0f} s "
-                f"of waiting: cancelled it. Last lines:\n" + "\n".join(job.tail(10))
-            )
+        _check_limits(job, timeout, pending_timeout)
         time.sleep(poll)
     # The log may still be flushing on a shared file system: give it a moment.
     for _ in range(10):
@@ -257,10 +221,16 @@ def wait(job: Job, timeout: float = 600, poll: float = 1.0, tail: int = 5, check
 
 
 def run(
-    script: str | Path, *sbatch_args: str, timeout: float = 600, tail: int = 5, check: bool = True
+    script: str | Path,
+    *sbatch_args: str,
+    timeout: float = 600,
+    tail: int = 5,
+    check: bool = True,
+    pending_timeout: float | None = None,
 ) -> Job:
     """Submit ``script`` and wait for it (see :func:`wait`)."""
-    return wait(submit(script, *sbatch_args), timeout=timeout, tail=tail, check=check)
+    job = submit(script, *sbatch_args)
+    return wait(job, timeout=timeout, tail=tail, check=check, pending_timeout=pending_timeout)
 
 
 def queue() -> str:
@@ -268,12 +238,3 @@ def queue() -> str:
     out = _slurm(["squeue", "-u", getpass.getuser()]).stdout.rstrip()
     print(out)
     return out
-
-
-def cancel_mine() -> int:
-    """Cancel every job of the current user; return how many there were."""
-    user = getpass.getuser()
-    ids = _slurm(["squeue", "-h", "-u", user, "-o", "%i"]).stdout.split()
-    if ids:
-        _slurm(["scancel", *ids])
-    return len(ids)
