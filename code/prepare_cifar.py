@@ -5,7 +5,9 @@
     python code/prepare_cifar.py --train-per-batch 200   # a smaller generated set
 
 Both write ``<data-dir>/cifar-10-batches-py`` in CIFAR-10's on-disk format plus a manifest of
-MD5 sums (``distlab-manifest.json``) that ``distlab.cifar.data.ManifestCIFAR10`` checks. Run it on
+MD5 sums (``distlab-manifest.json``) that ``distlab.cifar.data.ManifestCIFAR10`` checks. A
+generated stand-in is replaced by ``--source download`` without ``--force`` (nothing is lost);
+any other set that differs from what is asked needs ``--force``. Run it on
 the login node (or in a one-task job) before training: a download inside a distributed job would
 have every rank fetch and write the same files at once.
 """
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         existing = data.read_manifest(args.data_dir)
     except data.DatasetMissing:
         existing = None
-    if existing is not None and not args.force:
+    upgrade = existing is not None and existing["source"] == "generated" and args.source == "download"
+    if existing is not None and not args.force and not upgrade:  # the real set may replace a stand-in
         want = {"generated": "generate", "download": "download"}[existing["source"]]
         same = want == args.source and (
             args.source == "download"

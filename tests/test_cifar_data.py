@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import pickle
 
@@ -68,8 +69,32 @@ def test_a_changed_file_is_caught(tmp_path):
 
 
 def test_missing_set_names_the_command(tmp_path):
-    with pytest.raises(data.DatasetMissing, match="prepare_cifar.py"):
-        data.ManifestCIFAR10(tmp_path / "nowhere")
+    for download in (False, True):  # download=True never fetches inside a job: it names the command
+        with pytest.raises(data.DatasetMissing, match=r"prepare_cifar.py .*--source download"):
+            data.ManifestCIFAR10(tmp_path / "nowhere", download=download)
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_drop_in_for_torchvision(root):
+    """Exactly CIFAR10's parameters, so a learner's call works unchanged, download=True included."""
+    ours, theirs = inspect.signature(data.ManifestCIFAR10), inspect.signature(CIFAR10)
+    assert (
+        list(ours.parameters)
+        == list(theirs.parameters)
+        == [
+            "root",
+            "train",
+            "transform",
+            "target_transform",
+            "download",
+        ]
+    )
+    assert all(ours.parameters[k].default == theirs.parameters[k].default for k in ours.parameters)
+    before = {p.name: p.stat().st_mtime_ns for p in (root / "cifar-10-batches-py").iterdir()}
+    ds = data.ManifestCIFAR10(root, True, engine.make_transform(False), lambda y: y + 100, True)
+    x, y = ds[0]
+    assert x.shape == (3, 32, 32) and 100 <= y < 110
+    assert before == {p.name: p.stat().st_mtime_ns for p in (root / "cifar-10-batches-py").iterdir()}
 
 
 def test_classes_are_learnable():

@@ -79,11 +79,22 @@ def read_manifest(root: str | os.PathLike) -> dict:
 class ManifestCIFAR10(CIFAR10):
     """``torchvision.datasets.CIFAR10`` checked against the set's own manifest, never downloading.
 
-    Only the three class attributes holding the genuine MD5 sums are replaced, per instance,
-    before torchvision's constructor runs; everything else is torchvision's.
+    A drop-in: it takes exactly torchvision's arguments, so ``CIFAR10(root, train=True,
+    download=True, transform=...)`` in a learner's script becomes ``ManifestCIFAR10(...)`` with
+    nothing else changed. ``download`` does nothing: the set is prepared once, before any job
+    (``python code/prepare_cifar.py``); without it the constructor raises :class:`DatasetMissing`
+    naming that command. Only the three class attributes holding the genuine MD5 sums are
+    replaced, per instance, before torchvision's constructor runs; everything else is torchvision's.
     """
 
-    def __init__(self, root: str | os.PathLike, train: bool = True, transform=None, target_transform=None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        train: bool = True,
+        transform=None,
+        target_transform=None,
+        download: bool = False,  # accepted for torchvision's signature; ranks never download
+    ):
         sums = read_manifest(root)["md5"]
         self.train_list = [[name, sums[name]] for name in TRAIN_FILES]
         self.test_list = [[name, sums[name]] for name in TEST_FILES]
