@@ -1,0 +1,127 @@
+"""Profiler traces read with TensorBoard's PyTorch Profiler plugin's own parser (torch-tb-profiler).
+
+The plugin reads CPU-only traces (gloo) and GPU traces alike, and what it computes here is what its
+Overview, Operator and Memory views show. HolisticTraceAnalysis needs GPU kernels: on a CPU-only
+trace its temporal breakdown fails, so on this course's local cluster the plugin is the reader.
+
+A run is a folder ``<tensorboard-dir>/<profile-name>/`` of ``<worker>.<time>.pt.trace.json`` files,
+one per traced rank (worker ``rank0``, ``rank2``, ...).
+
+Step-time categories (the plugin's, exclusive, in its priority order) and the four groups the
+notebook plots::
+
+    computation    = Kernel + Memcpy + Memset + CPU Exec   (CPU Exec: operators on the CPU)
+    communication  = Communication                         (nccl:* / gloo:* collectives)
+    data loading   = DataLoader
+    other          = Runtime + Other                       (launches, Python, waiting: the bubble)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+GROUPS = {
+    "computation": ("Kernel", "Memcpy", "Memset", "CPU Exec"),
+    "communication": ("Communication",),
+    "data loading": ("DataLoader",),
+    "other": ("Runtime", "Other"),
+}
+TRACE_RE = re.compile(r"^(.+?)\.(\d+)\.pt\.trace\.json(\.gz)?$")
+
+
+def find_traces(run_dir: str | Path) -> dict[str, Path]:
+    """``{worker: trace file}`` of one run folder (the newest trace per worker)."""
+    run_dir = Path(run_dir)
+    found: dict[str, Path] = {}
+    for p in sorted(run_dir.glob("*.pt.trace.json*")) if run_dir.is_dir() else []:
+        m = TRACE_RE.match(p.name)
+        if m:
+            found[m.group(1)] = p
+    if not found:
+        raise FileNotFoundError(
+            f"no profiler trace in {run_dir}: run '{run_dir.name}' should have written it "
+            f"(pretrain_gpt.py --profile-execution True --profile-name {run_dir.name} "
+            f"--tensorboard-dir {run_dir.parent}); did that job complete?"
+        )
+    return dict(sorted(found.items(), key=lambda kv: _rank_key(kv[0])))
+
+
+def _rank_key(worker: str) -> tuple[int, str]:
+    m = re.search(r"(\d+)$", worker)
+    return (int(m.group(1)) if m else -1, worker)
+
+
+@dataclass
+class Trace:
+    """One worker's trace as the plugin parsed it (``profile`` is the plugin's ``RunProfile``)."""
+
+    worker: str
+    path: Path
+    profile: object
+
+    def breakdown_us(self) -> dict[str, float]:
+        """The Overview's average step time per category, in microseconds (``Average Step Time`` too)."""
+        perf = self.profile.overview["performance"][0]
+        return {
+            perf["name"]: float(perf["value"]),
+            **{c["name"]: float(c["value"]) for c in perf["children"]},
+        }
+
+    def groups_ms(self) -> dict[str, float]:
+        """Average step time in the four groups of the module docstring, in milliseconds."""
+        b = self.breakdown_us()
+        return {g: sum(b.get(c, 0.0) for c in cats) / 1000 for g, cats in GROUPS.items()}
+
+    def step_ms(self) -> float:
+        return self.breakdown_us()["Average Step Time"] / 1000
+
+    def top_operators(self, n: int = 10, by: str = "host_self_duration") -> list[dict]:
+        """The Operator view's rows (name, calls, host_self_duration, ... in us), largest first."""
+        rows = self.profile.operation_table_by_name["data"]
+        return sorted(rows, key=lambda r: r[by], reverse=True)[:n]
+
+    def memory_curve(self) -> tuple[list[float], list[float]]:
+        """(time ms since the profiler started, allocated MiB) on the default device, from the
+        Memory view; empty without ``profile_memory``."""
+        curve = self.profile.get_memory_curve(time_metric="ms", memory_metric="MB")
+        dev = curve["metadata"]["default_device"]
+        rows = curve["rows"].get(dev, []) if dev else []
+        return [r[0] for r in rows], [r[1] for r in rows]
+
+    def steps_ms(self) -> list[dict]:
+        """Each traced step, in ms on the memory curve's time axis: start, end, first backward op."""
+        events = json.loads(self.path.read_text())["traceEvents"]
+        first_ts = self.profile.get_memory_curve()["metadata"]["first_ts"]
+        spans = [e for e in events if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")]
+        backward = sorted(
+            e["ts"] for e in events if e.get("ph") == "X" and e["name"].startswith("autograd::engine")
+        )
+        out = []
+        for s in sorted(spans, key=lambda e: e["ts"]):
+            start, end = s["ts"], s["ts"] + s["dur"]
+            bw = next((t for t in backward if start <= t <= end), None)
+            out.append({"step": s["name"], "start": (start - first_ts) / 1000, "end": (end - first_ts) / 1000,
+                        "backward": None if bw is None else (bw - first_ts) / 1000})  # fmt: skip
+        return out
+
+
+def load_trace(path: str | Path, worker: str | None = None) -> Trace:
+    """Parse one trace file with the plugin (``RunProfileData.parse`` + ``RunGenerator``)."""
+    from torch_tb_profiler.profiler.data import RunProfileData
+    from torch_tb_profiler.profiler.run_generator import RunGenerator
+
+    path = Path(path)
+    worker = worker or TRACE_RE.match(path.name).group(1)
+    with tempfile.TemporaryDirectory() as cache:
+        data = RunProfileData.parse(worker, None, str(path), cache)
+        profile = RunGenerator(worker, None, data).generate_run_profile()
+    return Trace(worker, path, profile)
+
+
+def load_run(run_dir: str | Path) -> dict[str, Trace]:
+    """``{worker: Trace}`` of every traced rank of one run folder."""
+    return {w: load_trace(p, w) for w, p in find_traces(run_dir).items()}
