@@ -1,0 +1,118 @@
+"""The notebook's figures: step-time breakdown per run and rank, top operators, memory curve,
+utilisation of every node on one time axis with the job's phases."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from distlab.profiling.traces import GROUPS, Trace
+
+COLOURS = {
+    "computation": "tab:blue",
+    "communication": "tab:red",
+    "data loading": "tab:green",
+    "other": "tab:gray",
+}
+
+
+def plot_breakdown(runs: dict[str, dict[str, Trace]], ax=None):
+    """One stacked horizontal bar per (run, rank): average step time (ms) in the four groups,
+    the communication share written beside each bar."""
+    bars = [(f"{run} / {w}", t.groups_ms()) for run, traces in runs.items() for w, t in traces.items()]
+    ax = ax or plt.subplots(figsize=(9, 0.5 * len(bars) + 1.2))[1]
+    labels = [b[0] for b in bars]
+    left = [0.0] * len(bars)
+    for g in GROUPS:
+        widths = [b[1][g] for b in bars]
+        ax.barh(labels, widths, left=left, color=COLOURS[g], label=g)
+        left = [a + w for a, w in zip(left, widths, strict=True)]
+    for i, (_, groups) in enumerate(bars):
+        total = sum(groups.values())
+        ax.text(left[i], i, f"  {100 * groups['communication'] / total:.0f}% comm.", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("average step time (ms)")
+    ax.set_xlim(0, max(left) * 1.25)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("Step-time breakdown (the plugin's Overview, grouped)")
+    return ax
+
+
+def plot_top_operators(trace: Trace, n: int = 10, ax=None):
+    """Horizontal bars of the ``n`` operators with the largest self time (the Operator view)."""
+    rows = trace.top_operators(n)
+    ax = ax or plt.subplots(figsize=(8, 0.35 * n + 1))[1]
+    ax.barh([f"{r['name']} (x{r['calls']})" for r in rows], [r["host_self_duration"] / 1000 for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("self time over the traced steps (ms)")
+    ax.set_title(f"Top operators, {trace.path.parent.name} / {trace.worker}")
+    return ax
+
+
+def plot_memory(trace: Trace, ax=None):
+    """Allocated memory over the traced steps; forward (white) and backward (shaded) of each step."""
+    t, mib = trace.memory_curve()
+    if not t:
+        raise ValueError(f"{trace.path} holds no memory events: trace with profile_memory=True")
+    ax = ax or plt.subplots(figsize=(9, 3))[1]
+    ax.plot(t, mib, lw=1)
+    for s in trace.steps_ms():
+        ax.axvline(s["start"], color="k", lw=0.5)
+        if s["backward"] is not None:
+            ax.axvspan(s["backward"], s["end"], color="tab:orange", alpha=0.15)
+        ax.text(s["start"], max(mib), f" {s['step']}", fontsize=7, va="top")
+    ax.set_xlabel("time since the profiler started (ms); shaded: backward")
+    ax.set_ylabel("allocated (MB)")
+    ax.set_title(f"Memory, {trace.path.parent.name} / {trace.worker}")
+    return ax
+
+
+def plot_utilisation(nodes: dict[str, dict[str, list]], phases: dict[str, float] | None = None):
+    """CPU (mean and per core), job memory and, where sampled, GPU use of every node against
+    seconds since the first sample; ``phases`` ({label: Unix time}) drawn as vertical lines."""
+    gpu = any(k.startswith("gpu") for cols in nodes.values() for k in cols)
+    panels = ["cpu", "job_rss_mib"] + (["gpu_util", "gpu_mem_mib", "gpu_power_w"] if gpu else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.1 * len(panels)), sharex=True)
+    t0 = min(cols["time"][0] for cols in nodes.values() if cols.get("time"))
+    for node, cols in nodes.items():
+        x = [t - t0 for t in cols["time"]]
+        (line,) = axes[0].plot(x, cols["cpu"], label=f"{node} mean")
+        for k in (k for k in cols if k[3:].isdigit() and k.startswith("cpu")):
+            axes[0].plot(x, cols[k], color=line.get_color(), lw=0.4, alpha=0.4)
+        axes[1].plot(x, cols["job_rss_mib"], label=node)
+        for i, p in enumerate(panels[2:], start=2):
+            for k in (k for k in cols if k.startswith("gpu") and k.endswith(p[4:])):
+                axes[i].plot(x, cols[k], label=f"{node} {k.split('_')[0]}")
+    units = {"cpu": "CPU %", "job_rss_mib": "job RSS (MiB)", "gpu_util": "GPU %", "gpu_mem_mib": "GPU MiB",
+             "gpu_power_w": "GPU W"}  # fmt: skip
+    for ax, p in zip(axes, panels, strict=True):
+        ax.set_ylabel(units[p])
+        for label, when in (phases or {}).items():
+            ax.axvline(when - t0, color="k", ls="--", lw=0.7)
+            if ax is axes[0]:
+                ax.text(when - t0, ax.get_ylim()[1], f" {label}", fontsize=7, va="top", rotation=90)
+    axes[0].legend(fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("seconds since the first sample")
+    fig.suptitle("Utilisation per node (thin lines: single cores)")
+    fig.tight_layout()
+    return fig
+
+
+def job_phases(info: dict[str, str], tensorboard_dir: str | None = None, save_dir: str | None = None) -> dict:
+    """{label: Unix time}: job start and end (``scontrol``'s StartTime/EndTime in ``info``), the
+    first iteration (wall time of TensorBoard's first ``lm loss``) and every checkpoint folder."""
+    phases = {}
+    for label, key in (("start", "StartTime"), ("end", "EndTime")):
+        if info.get(key, "Unknown") not in ("Unknown", "None", ""):
+            phases[label] = datetime.fromisoformat(info[key]).timestamp()
+    if tensorboard_dir:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0}).Reload()
+        if "lm loss" in acc.Tags()["scalars"]:
+            phases["first iteration"] = acc.Scalars("lm loss")[0].wall_time
+    for folder in sorted(Path(save_dir).glob("iter_*")) if save_dir else []:
+        phases[f"checkpoint {int(folder.name[5:])}"] = folder.stat().st_mtime
+    return dict(sorted(phases.items(), key=lambda kv: kv[1]))
