@@ -1,0 +1,102 @@
+"""Profiler traces of real runs read through torch-tb-profiler: the plugin's own loader finds the run
+and its Overview step breakdown; gloo all-reduces count as communication; the memory curve rises in
+forward and falls in backward; a missing trace names the run that should have written it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distlab.gpt.local_run import prepare_data, spawn_pretrain
+from distlab.profiling.plots import plot_breakdown, plot_memory, plot_top_operators
+from distlab.profiling.traces import GROUPS, find_traces, load_run
+from tests.test_gpt_training import TINY
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def dp2_trace(tmp_path_factory):
+    """tensorboard dir of a DP=2 run (gloo) profiled with --profile-execution True."""
+    tmp = tmp_path_factory.mktemp("prof")
+    data = prepare_data(tmp / "data", vocab_size=512, max_files=80).argv()
+    tb = tmp / "tb"
+    argv = [*TINY, *data, "--global-batch-size", "4", "--train-iters", "4", "--tensorboard-dir", str(tb)]
+    spawn_pretrain([*argv, "--profile-execution", "True", "--profile-name", "dp2"], 2, tmp / "run")
+    return tb
+
+
+@pytest.fixture(scope="module")
+def memory_trace(tmp_path_factory):
+    """A run folder with one trace of two training steps of an MLP, with memory events."""
+    folder = tmp_path_factory.mktemp("mem") / "mlp"
+    model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1)
+    handler = torch.profiler.tensorboard_trace_handler(str(folder), "rank0")
+    with torch.profiler.profile(schedule=sched, on_trace_ready=handler, profile_memory=True) as prof:
+        for _ in range(3):
+            model(torch.randn(128, 256)).square().mean().backward()  # activations: 2 x (128, 2048) fp32
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    return folder
+
+
+def test_the_plugins_loader_finds_the_run_and_its_step_breakdown(dp2_trace):
+    from torch_tb_profiler.io import Cache
+    from torch_tb_profiler.profiler.loader import RunLoader
+
+    with Cache() as cache:
+        run = RunLoader("dp2", str(dp2_trace / "dp2"), cache).load()
+    assert run.name == "dp2" and run.get_workers("Overview") == ["rank0"]
+    assert run.get_workers("Distributed") == ["All"]  # the view that compares ranks
+    (profile,) = run.get_profiles(worker="rank0")  # one span: the trace file of rank 0
+    assert [v.display_name for v in profile.views][:2] == ["Overview", "Operator"]
+    overview = profile.overview
+    assert [c["name"] for c in overview["steps"]["columns"][1::2]] == [
+        "Communication",
+        "DataLoader",
+        "CPU Exec",
+        "Other",
+    ]
+    assert [row[0] for row in overview["steps"]["rows"]] == ["1", "2"]  # the two traced steps
+
+
+def test_breakdown_counts_gloo_as_communication(dp2_trace):
+    traces = load_run(dp2_trace / "dp2")
+    assert list(traces) == ["rank0"]
+    t = traces["rank0"]
+    b = t.breakdown_us()
+    parts = sum(v for k, v in b.items() if k != "Average Step Time")
+    assert parts == pytest.approx(b["Average Step Time"], abs=len(b))  # the plugin rounds to 1 us
+    groups = t.groups_ms()
+    assert list(groups) == list(GROUPS) and groups["communication"] > 0 and groups["computation"] > 0
+    assert sum(groups.values()) == pytest.approx(t.step_ms(), abs=0.01)
+    names = [r["name"] for r in t.top_operators(n=10_000)]
+    assert "c10d::allreduce_" in names and "aten::mm" in names
+    assert plot_breakdown({"DP=2": traces}).get_xlabel() == "average step time (ms)"
+    assert len(plot_top_operators(t, n=5).patches) == 5
+
+
+def test_memory_rises_in_forward_and_falls_in_backward(memory_trace):
+    t = load_run(memory_trace)["rank0"]
+    times, mib = t.memory_curve()
+    steps = t.steps_ms()
+    assert [s["step"] for s in steps] == ["ProfilerStep#1", "ProfilerStep#2"]
+    for s in steps:
+        assert s["start"] < s["backward"] < s["end"]
+        inside = [(x, m) for x, m in zip(times, mib, strict=True) if s["start"] <= x <= s["end"]]
+        at_peak = max(inside, key=lambda p: p[1])
+        activations = 2 * 128 * 2048 * 4 / 2**20  # MiB of the two (128, 2048) activations
+        assert at_peak[1] - inside[0][1] >= activations  # held until backward begins
+        assert inside[-1][1] < at_peak[1] - activations  # released by the end of backward
+    assert plot_memory(t).get_ylabel() == "allocated (MB)"
+
+
+def test_missing_trace_names_the_run(tmp_path):
+    (tmp_path / "dp4-accum").mkdir()
+    with pytest.raises(
+        FileNotFoundError, match=r"run 'dp4-accum' should have written it .*--profile-name dp4-accum"
+    ):
+        find_traces(tmp_path / "dp4-accum")
