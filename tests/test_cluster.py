@@ -7,25 +7,31 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from distlab.cluster import ClusterPaths, daemons
+from distlab.cluster import ClusterPaths, daemons, process
 from distlab.distributed import free_port
 from tests.conftest import cluster_available
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def private_cluster(tmp_path, monkeypatch):
+def private_paths(root: Path) -> ClusterPaths:
+    """A private cluster's folder and free ports (skips where the cluster cannot run)."""
     if os.geteuid() != 0 or not cluster_available():
         pytest.skip("needs root and the Slurm packages (./lab setup)")
-    monkeypatch.setenv("LAB_CLUSTER_DIR", str(tmp_path / "cluster"))
     base = free_port()
-    while any(daemons._port_busy(base + i) for i in range(3)):
+    while any(process.port_busy(base + i) for i in range(5)):
         base = free_port()
-    paths = ClusterPaths(root=tmp_path / "cluster", port_base=base)
+    return ClusterPaths(root=root, port_base=base)
+
+
+@pytest.fixture
+def private_cluster(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_CLUSTER_DIR", str(tmp_path / "cluster"))
+    paths = private_paths(tmp_path / "cluster")
     yield paths
     daemons.stop(paths)
 
@@ -52,6 +58,7 @@ def test_start_stop_restart_are_safe_to_repeat(private_cluster):
     assert not daemons.is_up(paths)
     daemons.stop(paths)  # stopping twice is harmless
     assert "slurmctld  stopped" in daemons.status(paths)
+    assert "slurmdbd   stopped" in daemons.status(paths)
     assert "idle node[1-2]" in daemons.start(paths)  # restart keeps the key and the state
     assert srun_hostnames(paths) == ["node1", "node2"]
 

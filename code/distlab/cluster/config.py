@@ -2,8 +2,9 @@
 
 Everything lives under one gitignored folder, ``.lab/cluster/`` at the repository root::
 
-    slurm.conf  gres.conf     configuration (written on every start)
+    slurm.conf  gres.conf  cgroup.conf  slurmdbd.conf   configuration (written on every start)
     munge/      key, socket, pid, log of the private munged
+    mysql/      the accounting database (MariaDB data, socket, pid; see accounting.py)
     ctld/       slurmctld state        spool/nodeN/  slurmd spools
     log/        daemon logs            dev/gpu0,1    the GPU "devices" (see below)
 
@@ -34,7 +35,7 @@ class ClusterPaths:
     """Where the local cluster keeps its files, and the ports it listens on."""
 
     root: Path
-    port_base: int = 16817  # slurmctld; slurmd of node i listens on port_base + 1 + i
+    port_base: int = 16817  # slurmctld; slurmd of node i: port_base + 1 + i; then slurmdbd, MariaDB
 
     @property
     def conf(self) -> Path:
@@ -78,8 +79,20 @@ class ClusterPaths:
     def slurmd_port(self, index: int) -> int:
         return self.port_base + 1 + index
 
+    @property
+    def dbd_port(self) -> int:
+        return self.port_base + 1 + len(NODES)
+
+    @property
+    def db_port(self) -> int:
+        return self.dbd_port + 1
+
     def ports(self) -> list[int]:
-        return [self.ctld_port] + [self.slurmd_port(i) for i in range(len(NODES))]
+        return (
+            [self.ctld_port]
+            + [self.slurmd_port(i) for i in range(len(NODES))]
+            + [self.dbd_port, self.db_port]
+        )
 
 
 def local_paths() -> ClusterPaths:
@@ -124,8 +137,12 @@ SelectTypeParameters=CR_Core
 GresTypes=gpu
 SchedulerType=sched/backfill
 EnforcePartLimits=ALL
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=task=1
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort={p.dbd_port}
+AccountingStoragePass={p.munge_socket}
 JobCompType=jobcomp/none
 ReturnToService=2
 MinJobAge=3600

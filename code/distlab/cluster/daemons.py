@@ -1,4 +1,6 @@
-"""Start, stop, inspect and reset the local cluster's daemons: munged, slurmctld, 2 x slurmd.
+"""Start, stop, inspect and reset the local cluster's daemons.
+
+In order: munged, the accounting database and slurmdbd (``accounting.py``), slurmctld, 2 x slurmd.
 
 Each ``slurmd -N nodeK`` runs in its own UTS namespace (``unshare --uts``) with its hostname set
 to ``nodeK``, so ``srun hostname`` prints node1 and node2 and launchers that compare host names
@@ -14,63 +16,27 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import stat
 import subprocess
 import time
 from pathlib import Path
 
 from distlab import REPO_ROOT
+from distlab.cluster import accounting
 from distlab.cluster.config import NODES, ClusterPaths, gres_conf, local_paths, slurm_conf
+from distlab.cluster.process import ClusterError, alive, env, port_busy, run, terminate, wait_for
 
 REQUIRED = {
     "munged": "munge",
     "mungekey": "munge",
     "slurmctld": "slurmctld",
     "slurmd": "slurmd",
+    "slurmdbd": "slurmdbd",
+    "mariadbd": "mariadb-server",
     "sinfo": "slurm-client",
     "unshare": "util-linux",
 }
 HOSTS_MARK = "# distlab local cluster"
-
-
-class ClusterError(RuntimeError):
-    """The local cluster cannot start or answer; the message says why and what to do."""
-
-
-def _alive(pid_file: Path, name: str) -> int | None:
-    """Pid of the daemon ``name`` recorded in ``pid_file``, if it is running."""
-    try:
-        pid = int(pid_file.read_text().split()[0])
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except (OSError, ValueError, IndexError):
-        return None
-    return pid if comm == name[:15] else None
-
-
-def _port_busy(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return True
-    return False
-
-
-def _env(p: ClusterPaths) -> dict[str, str]:
-    return {**os.environ, "SLURM_CONF": str(p.conf)}
-
-
-def _run(cmd: list[str], p: ClusterPaths, timeout: float = 30, check: bool = True) -> str:
-    try:
-        out = subprocess.run(cmd, env=_env(p), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise ClusterError(f"`{' '.join(cmd)}` did not answer within {timeout:.0f} s") from e
-    if check and out.returncode != 0:
-        raise ClusterError(f"`{' '.join(cmd)}` failed ({out.returncode}): {out.stderr.strip()}")
-    return out.stdout
 
 
 def _check_prerequisites() -> None:
@@ -132,7 +98,7 @@ def _link_system_conf(p: ClusterPaths) -> None:
 
 
 def _start_munged(p: ClusterPaths) -> None:
-    if _alive(p.munge_pid, "munged"):
+    if alive(p.munge_pid, "munged"):
         return
     p.munge_pid.unlink(missing_ok=True)
     p.munge_socket.unlink(missing_ok=True)
@@ -153,32 +119,22 @@ def _start_munged(p: ClusterPaths) -> None:
 
 
 def _check_ports(p: ClusterPaths) -> None:
-    owned = {p.ctld_port: _alive(p.ctld_pid, "slurmctld")}
+    owned = {p.ctld_port: alive(p.ctld_pid, "slurmctld")}
     for i, (name, _) in enumerate(NODES):
-        owned[p.slurmd_port(i)] = _alive(p.slurmd_pid(name), "slurmd")
-    busy = [port for port in p.ports() if not owned[port] and _port_busy(port)]
+        owned[p.slurmd_port(i)] = alive(p.slurmd_pid(name), "slurmd")
+    owned[p.dbd_port] = alive(accounting.dbd_pid(p), "slurmdbd")
+    owned[p.db_port] = alive(accounting.db_pid(p), "mariadbd")
+    busy = [port for port in p.ports() if not owned[port] and port_busy(port)]
     if busy:
         raise ClusterError(
             f"port(s) {busy} already in use by another program (see `ss -ltnp`): stop it, or "
             f"choose other ports with `export LAB_CLUSTER_PORT=<base>` (now {p.port_base}; "
-            f"the cluster uses base .. base+{len(NODES)})"
+            f"the cluster uses base .. base+{len(p.ports()) - 1})"
         )
 
 
-def _wait_for(what: str, ok, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if ok():
-            return
-        time.sleep(0.5)
-    tail = log.read_text().splitlines()[-10:] if log.exists() else []
-    raise ClusterError(
-        f"{what} did not come up within {timeout:.0f} s; last lines of {log}:\n" + "\n".join(tail)
-    )
-
-
 def _node_states(p: ClusterPaths) -> dict[str, str]:
-    out = _run(["sinfo", "-h", "-N", "-o", "%N %T"], p, check=False)
+    out = run(["sinfo", "-h", "-N", "-o", "%N %T"], p, check=False)
     return dict(line.split()[:2] for line in out.splitlines() if len(line.split()) >= 2)
 
 
@@ -190,16 +146,17 @@ def start(p: ClusterPaths | None = None, timeout: float = 90) -> str:
     _check_ports(p)
     _prepare_files(p)
     _start_munged(p)
-    if not _alive(p.ctld_pid, "slurmctld"):
+    accounting.start(p)
+    if not alive(p.ctld_pid, "slurmctld"):
         p.ctld_pid.unlink(missing_ok=True)
-        subprocess.run(["slurmctld", "-f", str(p.conf)], env=_env(p), check=True)
-        _wait_for("slurmctld", lambda: _alive(p.ctld_pid, "slurmctld"), 30, p.log_dir / "slurmctld.log")
+        subprocess.run(["slurmctld", "-f", str(p.conf)], env=env(p), check=True)
+        wait_for("slurmctld", lambda: alive(p.ctld_pid, "slurmctld"), 30, p.log_dir / "slurmctld.log")
     for name, _ in NODES:
-        if not _alive(p.slurmd_pid(name), "slurmd"):
+        if not alive(p.slurmd_pid(name), "slurmd"):
             p.slurmd_pid(name).unlink(missing_ok=True)
             subprocess.run(
                 ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec slurmd -N {name} -f "{p.conf}"'],
-                env=_env(p),
+                env=env(p),
                 check=True,
             )
     up = ("idle", "mixed", "allocated", "completing")
@@ -208,33 +165,21 @@ def start(p: ClusterPaths | None = None, timeout: float = 90) -> str:
         states = _node_states(p)
         stuck = [n for n, s in states.items() if s.rstrip("*~#") in ("down", "drained", "draining")]
         if stuck:  # e.g. left down by an earlier crash: the daemons are back, so resume
-            _run(["scontrol", "update", f"NodeName={','.join(stuck)}", "State=RESUME"], p, check=False)
+            run(["scontrol", "update", f"NodeName={','.join(stuck)}", "State=RESUME"], p, check=False)
         return len(states) == len(NODES) and all(s.rstrip("*~#") in up for s in states.values())
 
-    _wait_for("the nodes", nodes_up, timeout, p.log_dir / "slurmctld.log")
-    return _run(["sinfo"], p)
+    wait_for("the nodes", nodes_up, timeout, p.log_dir / "slurmctld.log")
+    return run(["sinfo"], p)
 
 
 def _cancel_all(p: ClusterPaths, timeout: float = 30) -> int:
-    jobs = _run(["squeue", "-h", "-o", "%i"], p, check=False).split()
+    jobs = run(["squeue", "-h", "-o", "%i"], p, check=False).split()
     if jobs:
-        _run(["scancel", *jobs], p, check=False)
+        run(["scancel", *jobs], p, check=False)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _run(["squeue", "-h", "-o", "%i"], p, check=False).split():
+        while time.monotonic() < deadline and run(["squeue", "-h", "-o", "%i"], p, check=False).split():
             time.sleep(0.5)
     return len(jobs)
-
-
-def _terminate(pid_file: Path, name: str, timeout: float = 15) -> None:
-    pid = _alive(pid_file, name)
-    if pid:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _alive(pid_file, name):
-            time.sleep(0.2)
-        if _alive(pid_file, name):
-            os.kill(pid, signal.SIGKILL)
-    pid_file.unlink(missing_ok=True)
 
 
 def stop(p: ClusterPaths | None = None) -> str:
@@ -242,11 +187,12 @@ def stop(p: ClusterPaths | None = None) -> str:
     p = p or local_paths()
     if not p.root.exists():
         return "local cluster: not set up, nothing to stop"
-    cancelled = _cancel_all(p) if _alive(p.ctld_pid, "slurmctld") else 0
+    cancelled = _cancel_all(p) if alive(p.ctld_pid, "slurmctld") else 0
     for name, _ in NODES:
-        _terminate(p.slurmd_pid(name), "slurmd")
-    _terminate(p.ctld_pid, "slurmctld")
-    _terminate(p.munge_pid, "munged")
+        terminate(p.slurmd_pid(name), "slurmd")
+    terminate(p.ctld_pid, "slurmctld")
+    accounting.stop(p)
+    terminate(p.munge_pid, "munged")
     return f"local cluster stopped ({cancelled} job(s) cancelled)"
 
 
@@ -254,19 +200,23 @@ def status(p: ClusterPaths | None = None) -> str:
     """One line per daemon, then ``sinfo`` and ``squeue`` if the controller answers."""
     p = p or local_paths()
     lines = [f"config: {p.conf}"]
-    daemons = [("munged", "munged", p.munge_pid), ("slurmctld", "slurmctld", p.ctld_pid)]
+    daemons = [
+        ("munged", "munged", p.munge_pid),
+        *accounting.daemons(p),
+        ("slurmctld", "slurmctld", p.ctld_pid),
+    ]
     daemons += [(name, "slurmd", p.slurmd_pid(name)) for name, _ in NODES]
     for label, exe, pid_file in daemons:
-        pid = _alive(pid_file, exe)
+        pid = alive(pid_file, exe)
         lines.append(f"{label:10s} {f'running (pid {pid})' if pid else 'stopped'}")
-    if _alive(p.ctld_pid, "slurmctld"):
-        lines += [_run(["sinfo"], p, check=False).rstrip(), _run(["squeue"], p, check=False).rstrip()]
+    if alive(p.ctld_pid, "slurmctld"):
+        lines += [run(["sinfo"], p, check=False).rstrip(), run(["squeue"], p, check=False).rstrip()]
     return "\n".join(lines)
 
 
 def is_up(p: ClusterPaths | None = None) -> bool:
     p = p or local_paths()
-    return bool(_alive(p.ctld_pid, "slurmctld")) and all(_alive(p.slurmd_pid(n), "slurmd") for n, _ in NODES)
+    return bool(alive(p.ctld_pid, "slurmctld")) and all(alive(p.slurmd_pid(n), "slurmd") for n, _ in NODES)
 
 
 def reset(p: ClusterPaths | None = None) -> str:
@@ -279,5 +229,5 @@ def reset(p: ClusterPaths | None = None) -> str:
             log.unlink()
             removed += 1
     names = ",".join(n for n, _ in NODES)
-    _run(["scontrol", "update", f"NodeName={names}", "State=RESUME"], p, check=False)
+    run(["scontrol", "update", f"NodeName={names}", "State=RESUME"], p, check=False)
     return f"cancelled {cancelled} job(s), removed {removed} job log(s)"
