@@ -70,6 +70,7 @@ def setup_notebook(folder: str | Path = "jobs") -> Path:
     jobs_dir.mkdir(parents=True, exist_ok=True)
     env = _slurm_env()
     os.environ.update(site.command_env(site.profile_env()))
+    os.environ.setdefault("USER", getpass.getuser())  # `squeue -u $USER` in cells (containers lack it)
     if "SLURM_CONF" in env:
         os.environ["SLURM_CONF"] = env["SLURM_CONF"]
     out = _slurm(["sinfo", "-h", "-o", "%P %a %D %T %N %G"])
