@@ -83,3 +83,17 @@ def test_exercise_check_passes_only_on_tp2_pp2_dp1_trained_to_the_end(capsys):
         check_layout_run(_log(4, 2, 2, iters=2), world_size=4, tp=2, pp=2)
     with pytest.raises(ExerciseError, match="no 'using world size:' line"):
         check_layout_run("pretrain_gpt.py: error: --global-batch-size 3 ...", world_size=4, tp=2, pp=2)
+
+
+def test_batch_line_and_a_job_of_several_runs():
+    line = "> global batch size 16 = micro batch 1 x data-parallel 4 x accumulation steps 4"
+    assert megatron.batch_arithmetic("x\n" + line) == {
+        "global_batch": 16,
+        "micro_batch": 1,
+        "dp": 4,
+        "accumulation": 4,
+    }
+    assert megatron.batch_arithmetic("no such line") == {}
+    runs = megatron.split_runs("job 7 on node[1-2]\n" + _log(2, 1, 2) + "\n" + _log(4, 1, 4, iters=2))
+    assert [megatron.parse_banner(r).pp for r in runs] == [2, 4]
+    assert [len(megatron.iterations(r)) for r in runs] == [3, 2]

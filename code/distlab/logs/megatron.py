@@ -35,6 +35,10 @@ MEMORY_RE = re.compile(
     r"parameters (?P<params_mib>[\d.]+) \((?P<values>[\d,]+) values\) \| gradients (?P<grads_mib>[\d.]+) \| "
     r"optimizer state (?P<optim_mib>[\d.]+) \| (?P<peak_kind>peak RSS|CUDA max allocated) (?P<peak_mib>[\d.]+)"
 )
+BATCH_RE = re.compile(
+    r"> global batch size (?P<global_batch>\d+) = micro batch (?P<micro_batch>\d+) x data-parallel (?P<dp>\d+) "
+    r"x accumulation steps (?P<accumulation>\d+)"
+)
 THROUGHPUT_RE = re.compile(
     r"tokens per second: (?P<tokens>[\d.]+) \| TFLOP/s per device: (?P<tflops>[\d.]+) \|"
 )
@@ -75,6 +79,18 @@ def parse_banner(text: str) -> Banner:
             "process groups (look at the log's error lines)"
         )
     return Banner(int(m["world"]), int(m["dp"]), int(m["tp"]), int(m["pp"]))
+
+
+def split_runs(text: str) -> list[str]:
+    """The log of a job that ran several trainings, cut before each ``using world size:`` line."""
+    starts = [m.start() for m in BANNER_RE.finditer(text)]
+    return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+
+
+def batch_arithmetic(text: str) -> dict[str, int]:
+    """The run's ``global = micro x dp x accumulation`` line as numbers (empty when absent)."""
+    m = BATCH_RE.search(text)
+    return {k: int(v) for k, v in m.groupdict().items()} if m else {}
 
 
 def iterations(text: str) -> list[dict]:
