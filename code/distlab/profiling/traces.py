@@ -87,6 +87,8 @@ class Trace:
     def memory_curve(self) -> tuple[list[float], list[float]]:
         """(time ms since the profiler started, allocated MiB) on the default device, from the
         Memory view; empty without ``profile_memory``."""
+        if self.profile.memory_snapshot is None:  # traced without profile_memory
+            return [], []
         curve = self.profile.get_memory_curve(time_metric="ms", memory_metric="MB")
         dev = curve["metadata"]["default_device"]
         rows = curve["rows"].get(dev, []) if dev else []

@@ -1,0 +1,54 @@
+"""Notebook 06's exercise: which part of the step did a variant change, read from two traces.
+
+share_g = (time in group g) / (step time), per rank-0 trace. A named part is right when its share
+moved in the named direction by at least ``MIN_POINTS`` percentage points: when computation grows,
+communication's share falls, and either answer is a true reading of the two traces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distlab.checks import check, untouched
+from distlab.profiling.traces import GROUPS, load_run
+
+MIN_POINTS = 5.0
+
+
+def shares(run_dir: str | Path, worker: str = "rank0") -> dict[str, float]:
+    """{group: share of the average step} of one traced rank of a run."""
+    traces = load_run(run_dir)
+    if worker not in traces:
+        raise FileNotFoundError(f"{run_dir} has traces of {sorted(traces)}, not of {worker}")
+    groups = traces[worker].groups_ms()
+    total = sum(groups.values())
+    return {g: v / total for g, v in groups.items()}
+
+
+def share_table(baseline: str | Path, variant: str | Path) -> dict[str, tuple[float, float]]:
+    """{group: (baseline share, variant share)} of two runs' rank-0 traces."""
+    a, b = shares(baseline), shares(variant)
+    return {g: (a[g], b[g]) for g in GROUPS}
+
+
+def check_changed_part(baseline: str | Path, variant: str | Path | None, part: str, direction: str) -> bool:
+    """The exercise's check: right when ``part``'s share moved ``direction`` by >= MIN_POINTS points."""
+    if variant is None or untouched(part, direction):
+        print("[not yet] run your variant and name the part of the step that changed (part, direction)")
+        return False
+    if part not in GROUPS or direction not in ("up", "down"):
+        raise ValueError(
+            f"part must be one of {list(GROUPS)} and direction 'up' or 'down', got {part!r}, {direction!r}"
+        )
+    table = share_table(baseline, variant)
+    for g, (x, y) in table.items():
+        print(f"{g:>14}: baseline {x:6.1%}  variant {y:6.1%}  ({100 * (y - x):+.1f} points)")
+    x, y = table[part]
+    moved = 100 * (y - x) if direction == "up" else 100 * (x - y)
+    hint = (
+        f"the {part} share moved {100 * (y - x):+.1f} points; name a part that moved by at least "
+        f"{MIN_POINTS:.0f} points, in the direction it moved (see the table above)"
+    )
+    return check(
+        "the part of the step that changed", (part, direction), ok=lambda _: moved >= MIN_POINTS, hint=hint
+    )
