@@ -100,3 +100,20 @@ def test_missing_trace_names_the_run(tmp_path):
         FileNotFoundError, match=r"run 'dp4-accum' should have written it .*--profile-name dp4-accum"
     ):
         find_traces(tmp_path / "dp4-accum")
+
+
+def test_exercise_check_reads_both_traces(dp2_trace, memory_trace, capsys):
+    from distlab.checks import FIXME, ExerciseError
+    from distlab.profiling.exercise import check_changed_part
+
+    baseline = dp2_trace / "dp2"
+    assert check_changed_part(baseline, None, FIXME, FIXME) is False  # untouched: a note, no failure
+    assert "[not yet]" in capsys.readouterr().out
+    # the MLP's trace has no communication at all: its share went down, and by more than 5 points
+    assert check_changed_part(baseline, memory_trace, "communication", "down") is True
+    with pytest.raises(ExerciseError, match=r"the communication share moved -\d+\.\d points"):
+        check_changed_part(baseline, memory_trace, "communication", "up")
+    with pytest.raises(ExerciseError, match=r"moved \+0\.0 points"):  # the same trace twice: nothing moved
+        check_changed_part(baseline, baseline, "computation", "up")
+    with pytest.raises(ValueError, match="part must be one of"):
+        check_changed_part(baseline, memory_trace, "kernels", "up")
