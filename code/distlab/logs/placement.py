@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from distlab.gpt.parallel_state import ParallelDims
-from distlab.logs.megatron import memory_rows, parse_banner
+from distlab.logs.megatron import memory_rows, parse_banner, split_runs
 
 LABELLED_HOST_RE = re.compile(r"^\s*(\d+): (\S+)\s*$")
 
@@ -22,15 +22,16 @@ def rank_hosts(text: str) -> dict[int, str]:
 
 
 def placement_rows(text: str) -> list[dict]:
-    """One row per rank: host, (tp, pp, dp) coordinates from the log, and its three groups."""
-    banner, hosts = parse_banner(text), rank_hosts(text)
+    """One row per rank: host, (tp, pp, dp) coordinates, and its three groups (first run of the log)."""
+    first = next(iter(split_runs(text)), text)
+    banner, hosts = parse_banner(first), rank_hosts(text)
     dims = ParallelDims(banner.world_size, banner.tp, banner.pp)
     group_of = {
         kind: {r: g for g in groups for r in g}
         for kind, groups in (("tp", dims.tp_groups()), ("pp", dims.pp_groups()), ("dp", dims.dp_groups()))
     }
     rows = []
-    for m in memory_rows(text):
+    for m in memory_rows(first):
         r = m["rank"]
         rows.append(
             {"rank": r, "host": hosts.get(r, "?"), "tp_rank": m["tp"], "pp_rank": m["pp"], "dp_rank": m["dp"]}
