@@ -46,6 +46,10 @@ class ClusterPaths:
         return self.root / "gres.conf"
 
     @property
+    def cgroup_conf(self) -> Path:
+        return self.root / "cgroup.conf"
+
+    @property
     def munge_dir(self) -> Path:
         return self.root / "munge"
 
@@ -101,13 +105,15 @@ def local_paths() -> ClusterPaths:
     return ClusterPaths(root=root, port_base=int(os.environ.get("LAB_CLUSTER_PORT", "16817")))
 
 
-def slurm_conf(p: ClusterPaths) -> str:
-    """slurm.conf of the two-node cluster; every daemon runs as the current user (root)."""
+def slurm_conf(p: ClusterPaths, cgroups: bool) -> str:
+    """slurm.conf of the two-node cluster; every daemon runs as the current user (root).
+
+    ``cgroups``: whether memory limits are enforced by cgroups (see ``memory_limits``)."""
     user = os.environ.get("USER") or "root"
     nodes = "\n".join(
         f"NodeName={name} NodeAddr={addr} NodeHostname={name} Port={p.slurmd_port(i)} "
         f"CPUs={CPUS_PER_NODE} Boards=1 SocketsPerBoard=2 CoresPerSocket={CPUS_PER_NODE // 2} "
-        f"ThreadsPerCore=1 RealMemory=256000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+        f"ThreadsPerCore=1 RealMemory={node_memory_mb()} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
         for i, (name, addr) in enumerate(NODES)
     )
     first, last = NODES[0][0], NODES[-1][0]
@@ -128,12 +134,12 @@ SlurmdPidFile={p.root}/slurmd-%n.pid
 SlurmctldLogFile={p.log_dir}/slurmctld.log
 SlurmdLogFile={p.log_dir}/slurmd-%n.log
 SlurmdParameters=config_overrides
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+{memory_limits(cgroups)}
 MpiDefault=none
 SwitchType=switch/none
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
+SelectTypeParameters=CR_Core_Memory
+DefMemPerNode={default_memory_mb()}
 GresTypes=gpu
 SchedulerType=sched/backfill
 EnforcePartLimits=ALL
@@ -154,6 +160,38 @@ MessageTimeout=30
 {nodes}
 PartitionName={PARTITION} Nodes={node_range} Default=YES MaxTime=INFINITE State=UP
 """
+
+
+def node_memory_mb() -> int:
+    """RealMemory of each node: this machine's memory (the nodes share it), so ``--mem`` means real RAM."""
+    kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    return kib // 1024
+
+
+def default_memory_mb() -> int:
+    """Memory of a job that asks for none: half a node, at most 8 GiB (a two-rank GPT job on a
+    node peaks near 2 GiB), so that two such jobs share a node and ``--mem`` packs more."""
+    return min(node_memory_mb() // 2, 8192)
+
+
+def memory_limits(cgroups: bool) -> str:
+    """Plugins that enforce ``--mem``: the kernel's OOM killer in a memory cgroup per job step, or
+    (without a writable cgroup v1 memory controller) Slurm's own sampling, which kills a step whose
+    RSS exceeds its limit (JobAcctGatherParams=OverMemoryKill)."""
+    if cgroups:
+        return "ProctrackType=proctrack/cgroup\nTaskPlugin=task/cgroup"
+    return "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherParams=OverMemoryKill"
+
+
+def cgroup_conf() -> str:
+    """cgroup.conf: confine each job step's RAM to its ``--mem`` (swap included: none allowed).
+
+    Each slurmd keeps its jobs under ``slurm_<node>`` (Slurm's layout when several slurmd share a
+    host), in this cluster's own cgroup folder (see cgroups.py)."""
+    return (
+        "CgroupPlugin=cgroup/v1\nCgroupAutomount=no\nConstrainRAMSpace=yes\n"
+        "ConstrainSwapSpace=yes\nAllowedSwapSpace=0\n"
+    )
 
 
 def gres_conf(p: ClusterPaths) -> str:

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from distlab import REPO_ROOT
-from distlab.cluster import accounting
-from distlab.cluster.config import NODES, ClusterPaths, gres_conf, local_paths, slurm_conf
+from distlab.cluster import accounting, cgroups, system_conf
+from distlab.cluster.config import NODES, ClusterPaths, cgroup_conf, gres_conf, local_paths, slurm_conf
 from distlab.cluster.process import ClusterError, alive, env, port_busy, run, terminate, wait_for
 
 REQUIRED = {
@@ -76,25 +76,11 @@ def _prepare_files(p: ClusterPaths) -> None:
         dev = p.root / "dev" / f"gpu{i}"
         if not dev.exists():
             os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # same numbers as /dev/null
-    p.conf.write_text(slurm_conf(p))
+    p.conf.write_text(slurm_conf(p, cgroups.available()))
     p.gres_conf.write_text(gres_conf(p))
+    p.cgroup_conf.write_text(cgroup_conf())
     if p == local_paths() and "LAB_CLUSTER_DIR" not in os.environ:
-        _link_system_conf(p)
-
-
-def _link_system_conf(p: ClusterPaths) -> None:
-    """Point /etc/slurm/slurm.conf at ours so that plain `sinfo` works in any shell.
-
-    Only where nothing (or a dangling link) is there: a real cluster's configuration, or another
-    checkout's live lab cluster, is never touched.
-    """
-    for name, target in (("slurm.conf", p.conf), ("gres.conf", p.gres_conf)):
-        system = Path("/etc/slurm") / name
-        if system.exists():  # follows links: a live configuration stays
-            continue
-        system.parent.mkdir(parents=True, exist_ok=True)
-        system.unlink(missing_ok=True)  # a dangling link
-        system.symlink_to(target)
+        system_conf.link(p)
 
 
 def _start_munged(p: ClusterPaths) -> None:
@@ -154,11 +140,7 @@ def start(p: ClusterPaths | None = None, timeout: float = 90) -> str:
     for name, _ in NODES:
         if not alive(p.slurmd_pid(name), "slurmd"):
             p.slurmd_pid(name).unlink(missing_ok=True)
-            subprocess.run(
-                ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec slurmd -N {name} -f "{p.conf}"'],
-                env=env(p),
-                check=True,
-            )
+            subprocess.run(cgroups.slurmd_command(p, name, cgroups.available()), env=env(p), check=True)
     up = ("idle", "mixed", "allocated", "completing")
 
     def nodes_up() -> bool:
@@ -190,6 +172,7 @@ def stop(p: ClusterPaths | None = None) -> str:
     cancelled = _cancel_all(p) if alive(p.ctld_pid, "slurmctld") else 0
     for name, _ in NODES:
         terminate(p.slurmd_pid(name), "slurmd")
+    cgroups.remove_folders(p)
     terminate(p.ctld_pid, "slurmctld")
     accounting.stop(p)
     terminate(p.munge_pid, "munged")
@@ -199,7 +182,7 @@ def stop(p: ClusterPaths | None = None) -> str:
 def status(p: ClusterPaths | None = None) -> str:
     """One line per daemon, then ``sinfo`` and ``squeue`` if the controller answers."""
     p = p or local_paths()
-    lines = [f"config: {p.conf}"]
+    lines = [f"config: {p.conf}", system_conf.describe(p)]
     daemons = [
         ("munged", "munged", p.munge_pid),
         *accounting.daemons(p),

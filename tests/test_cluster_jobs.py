@@ -1,15 +1,20 @@
-"""Job accounting on a private cluster: slurmdbd + MariaDB, read back with ``sacct``."""
+"""What a private cluster records and enforces about jobs: accounting (slurmdbd + MariaDB, read
+back with ``sacct``) and memory limits (a job past its ``--mem`` ends OUT_OF_MEMORY)."""
 
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
 
-from distlab.cluster import ClusterPaths, accounting, daemons
+from distlab import jobs
+from distlab.cluster import ClusterPaths, accounting, cgroups, daemons
+from distlab.cluster.config import node_memory_mb
+from distlab.slurm_job import JobError, JobFailed
 from tests.test_cluster import private_paths
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,6 +25,7 @@ def cluster(tmp_path_factory):
     paths = private_paths(tmp_path_factory.mktemp("acct") / "cluster")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LAB_CLUSTER_DIR", str(paths.root))
+        mp.setenv("SLURM_CONF", str(paths.conf))  # for distlab.jobs
         daemons.start(paths)
         yield paths
         daemons.stop(paths)
@@ -93,3 +99,56 @@ def test_database_that_will_not_start_is_named_with_its_log(tmp_path):
         s.listen()
         with pytest.raises(daemons.ClusterError, match=r"(?s)MariaDB .*exited .*mariadb\.log.*in use"):
             accounting.start(paths)
+
+
+def memory_job(folder, mem: str, mib: int):
+    """A batch script that asks for ``mem`` and allocates ``mib`` MiB, touching every page."""
+    script = folder / f"alloc{mib}.sh"
+    script.write_text(
+        f"#!/bin/bash\n#SBATCH --mem={mem}\n#SBATCH --output={folder}/alloc{mib}-%j.out\n"
+        f"python3 -c 'b = bytearray({mib} * 2**20); print(\"allocated {mib} MiB\")'\n"
+    )
+    return script
+
+
+@pytest.mark.skipif(not cgroups.available(), reason="needs the cgroup v1 memory controller")
+def test_job_past_its_memory_is_killed_alone(cluster, tmp_path):
+    outside = "b = bytearray(300 * 2**20); import time; time.sleep(120)"  # bigger than the job's limit
+    sentinel = subprocess.Popen([sys.executable, "-c", outside])
+    try:
+        job = jobs.submit(memory_job(tmp_path, "200M", 400))
+        with pytest.raises(JobFailed) as failed:
+            jobs.wait(job, timeout=120)
+        message = str(failed.value)
+        assert "ended OUT_OF_MEMORY" in message
+        assert "oom-kill event" in message and "--mem" in message
+        assert "allocated 400 MiB" not in job.log_path.read_text().splitlines()
+        assert finished(cluster, str(job.id), str(job.id))[0] == "OUT_OF_MEMORY"
+        assert sentinel.poll() is None  # the process outside the job is untouched
+    finally:
+        sentinel.kill()
+    after = jobs.run(memory_job(tmp_path, "600M", 400), timeout=120)  # the next job runs normally
+    assert after.state == "COMPLETED" and "allocated 400 MiB" in after.log_path.read_text().splitlines()
+
+
+def test_memory_beyond_a_node_is_refused_at_submission(cluster, tmp_path):
+    with pytest.raises(JobError, match="sbatch refused"):
+        jobs.submit(memory_job(tmp_path, f"{node_memory_mb() + 1024}M", 1))
+
+
+def test_without_cgroups_slurm_kills_the_job_itself(tmp_path, monkeypatch):
+    monkeypatch.setattr(cgroups, "available", lambda: False)  # a machine without cgroup v1 memory
+    paths = private_paths(tmp_path / "c")
+    monkeypatch.setenv("LAB_CLUSTER_DIR", str(paths.root))
+    monkeypatch.setenv("SLURM_CONF", str(paths.conf))
+    try:
+        daemons.start(paths)
+        script = tmp_path / "hold.sh"  # JobAcctGatherParams=OverMemoryKill samples every second
+        script.write_text(
+            f"#!/bin/bash\n#SBATCH --mem=100M\n#SBATCH --output={tmp_path}/hold-%j.out\n"
+            "python3 -c 'import time; b = bytearray(300 * 2**20); time.sleep(30)'\n"
+        )
+        with pytest.raises(JobFailed, match=r"(?s)ended FAILED.*exceeded memory limit"):
+            jobs.run(script, timeout=60)
+    finally:
+        daemons.stop(paths)

@@ -1,0 +1,70 @@
+"""Memory cgroups of the local cluster: each job step confined to its ``--mem`` by the kernel.
+
+Slurm's task/cgroup puts every job step of node ``nodeK`` in
+``/sys/fs/cgroup/memory/slurm_nodeK/uid_<uid>/job_<id>/step_<step>`` (cgroup v1) with
+``memory.limit_in_bytes`` set to the job's memory; a step that allocates past it meets the kernel's
+OOM killer *inside that cgroup only*, and slurmstepd reports ``Detected 1 oom-kill event(s)`` and
+ends the job ``OUT_OF_MEMORY``.
+
+Two clusters on one host (the shared one and a test's private one) would both use ``slurm_node1``
+and collide on equal job ids, so each slurmd runs in its own mount namespace where this cluster's
+folder ``/sys/fs/cgroup/<controller>/distlab-<port>`` is bind-mounted over
+``/sys/fs/cgroup/<controller>``: the cluster's jobs live under that folder, and no other program's
+cgroups are visible to its slurmd.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from distlab.cluster.config import ClusterPaths
+
+#: Controllers Slurm uses here: memory (task/cgroup's limit) and freezer (proctrack/cgroup).
+CONTROLLERS = ("memory", "freezer")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def available() -> bool:
+    """Whether the cgroup v1 memory and freezer controllers are mounted and writable."""
+    return all(
+        (CGROUP_ROOT / c / "cgroup.procs").exists() and os.access(CGROUP_ROOT / c, os.W_OK)
+        for c in CONTROLLERS
+    )
+
+
+def cluster_folder(p: ClusterPaths, controller: str) -> Path:
+    return CGROUP_ROOT / controller / f"distlab-{p.port_base}"
+
+
+def slurmd_command(p: ClusterPaths, node: str, cgroups: bool) -> list[str]:
+    """``slurmd -N node`` in its own UTS namespace (hostname ``node``) and, with cgroups, its own
+    mount namespace whose /sys/fs/cgroup/<controller> is this cluster's folder."""
+    steps = [f"hostname {node}"]
+    unshare = ["unshare", "--uts"]
+    if cgroups:
+        unshare += ["--mount", "--propagation", "private"]
+        for c in CONTROLLERS:
+            folder = cluster_folder(p, c)
+            folder.mkdir(exist_ok=True)
+            steps.append(f"mount --bind {shlex.quote(str(folder))} {CGROUP_ROOT / c}")
+    steps.append(f"exec slurmd -N {node} -f {shlex.quote(str(p.conf))}")
+    return [*unshare, "sh", "-c", " && ".join(steps)]
+
+
+def remove_folders(p: ClusterPaths) -> None:
+    """Remove this cluster's (empty) cgroup folders, deepest first, once its slurmd have stopped."""
+    for c in CONTROLLERS:
+        top = cluster_folder(p, c)
+        if top.exists():
+            for folder in sorted((d for d in top.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+                _rmdir(folder)
+            _rmdir(top)
+
+
+def _rmdir(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # still holds a process (a job step that outlived its slurmd): leave it
+        pass
