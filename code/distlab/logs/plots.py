@@ -7,10 +7,7 @@ panel so that the *shape* of the two series can be compared, not their absolute 
 
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 PANELS = (
     ("ms_per_iter", "ms / iteration"),
