@@ -97,3 +97,19 @@ def test_batch_line_and_a_job_of_several_runs():
     runs = megatron.split_runs("job 7 on node[1-2]\n" + _log(2, 1, 2) + "\n" + _log(4, 1, 4, iters=2))
     assert [megatron.parse_banner(r).pp for r in runs] == [2, 4]
     assert [len(megatron.iterations(r)) for r in runs] == [3, 2]
+
+
+def test_scaling_plot_draws_ours_beside_the_reference():
+    from distlab.logs.plots import plot_scaling
+
+    ref = megatron.reference_rows()
+    fig = plot_scaling(ref, ref, "ours", "reference")
+    assert len(fig.axes) == 5  # three panels, two with a second axis for the reference
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["ours", "reference"]
+    assert sorted(len(ax.patches) for ax in fig.axes) == [
+        3,
+        3,
+        3,
+        3,
+        6,
+    ]  # efficiency: both series on one axis
