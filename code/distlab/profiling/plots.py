@@ -89,10 +89,11 @@ def plot_utilisation(nodes: dict[str, dict[str, list]], phases: dict[str, float]
              "gpu_power_w": "GPU W"}  # fmt: skip
     for ax, p in zip(axes, panels, strict=True):
         ax.set_ylabel(units[p])
-        for label, when in (phases or {}).items():
+        for k, (label, when) in enumerate((phases or {}).items()):
             ax.axvline(when - t0, color="k", ls="--", lw=0.7)
-            if ax is axes[0]:
-                ax.text(when - t0, ax.get_ylim()[1], f" {label}", fontsize=7, va="top", rotation=90)
+            if ax is axes[0]:  # labels at three heights, so that close phases stay readable
+                lo, hi = ax.get_ylim()
+                ax.text(when - t0, hi - (k % 3) * (hi - lo) / 3, f" {label}", fontsize=7, va="top")
     axes[0].legend(fontsize=7, loc="upper right")
     axes[-1].set_xlabel("seconds since the first sample")
     fig.suptitle("Utilisation per node (thin lines: single cores)")
