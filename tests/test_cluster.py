@@ -59,6 +59,7 @@ def test_start_stop_restart_are_safe_to_repeat(private_cluster):
     daemons.stop(paths)  # stopping twice is harmless
     assert "slurmctld  stopped" in daemons.status(paths)
     assert "slurmdbd   stopped" in daemons.status(paths)
+    assert "plain `sinfo` (no SLURM_CONF) reads /etc/slurm/slurm.conf" in daemons.status(paths)
     assert "idle node[1-2]" in daemons.start(paths)  # restart keeps the key and the state
     assert srun_hostnames(paths) == ["node1", "node2"]
 
@@ -85,15 +86,15 @@ def test_stale_pid_files_are_ignored(private_cluster):
     assert "idle node[1-2]" in daemons.start(paths)
 
 
-def test_port_held_by_another_program_is_reported(private_cluster):
+@pytest.mark.parametrize("port", ["ctld_port", "slurmd_port", "dbd_port", "db_port"])
+def test_port_held_by_another_program_is_reported(private_cluster, port):
     import socket
 
+    number = private_cluster.slurmd_port(1) if port == "slurmd_port" else getattr(private_cluster, port)
     with socket.socket() as s:
-        s.bind(("0.0.0.0", private_cluster.ctld_port))
+        s.bind(("0.0.0.0", number))
         s.listen()
-        with pytest.raises(
-            daemons.ClusterError, match=rf"port\(s\) \[{private_cluster.ctld_port}\].*LAB_CLUSTER_PORT"
-        ):
+        with pytest.raises(daemons.ClusterError, match=rf"port\(s\) \[{number}\].*LAB_CLUSTER_PORT.*base\+4"):
             daemons.start(private_cluster)
 
 
