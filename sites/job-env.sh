@@ -9,6 +9,7 @@
 #                       are a multiple of 20,000 apart (then the second fails to bind, and says so)
 #   SRUN_CPUS_PER_TASK  the batch script's --cpus-per-task, passed on to every srun in it
 #   OMP_NUM_THREADS     threads of one task: its CPUs (torchrun's workers share them, see below)
+#                       (both only when the script asks for --cpus-per-task)
 : "${LAB_ROOT:?LAB_ROOT is not set: submit with distlab.jobs or export LAB_ROOT=<repository root>}"
 export LAB_SITE="${LAB_SITE:-local}"
 lab_profile="$LAB_ROOT/sites/$LAB_SITE.sh"
@@ -27,8 +28,12 @@ export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 # CPUs: since Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch, so each step
 # would get one CPU per task. SRUN_CPUS_PER_TASK hands the request on. A task that starts
 # several ranks (torchrun) shares its CPUs among them: distlab caps each worker's threads at its
-# share of the cores it may use (distlab.distributed.cap_cpu_threads).
-export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
-export OMP_NUM_THREADS="$SRUN_CPUS_PER_TASK"
+# share of the cores it may use (distlab.distributed.cap_cpu_threads). A script that asks for no
+# CPUs gets Slurm's default (one per task) and PyTorch's own thread count.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+    export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK" OMP_NUM_THREADS="$SLURM_CPUS_PER_TASK"
+else
+    unset SRUN_CPUS_PER_TASK   # the notebook's value is for interactive srun, not for this job
+fi
 export PYTHONUNBUFFERED=1
-echo "job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: site=$LAB_SITE backend=$LAB_BACKEND procs/node=$LAB_PROCS_PER_NODE master=$MASTER_ADDR:$MASTER_PORT cpus/task=$SRUN_CPUS_PER_TASK"
+echo "job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: site=$LAB_SITE backend=$LAB_BACKEND procs/node=$LAB_PROCS_PER_NODE master=$MASTER_ADDR:$MASTER_PORT cpus/task=${SLURM_CPUS_PER_TASK:-default}"

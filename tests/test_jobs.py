@@ -168,3 +168,10 @@ def test_cpus_per_task_reach_every_step(slurm_cluster, tmp_path):
     assert job.grep(r"^batch OMP_NUM_THREADS=3 SRUN_CPUS_PER_TASK=3$")
     assert sorted(job.grep(r"^step ")) == ["step 0 cpus=3 omp=3", "step 1 cpus=3 omp=3"]
     assert job.grep(r" cpus/task=3$")
+
+
+def test_no_cpu_request_keeps_slurms_default(slurm_cluster, tmp_path):
+    """The profile's SRUN_CPUS_PER_TASK (for interactive srun) must not reach a job that asked for none."""
+    body = 'echo "srun_cpus=${SRUN_CPUS_PER_TASK:-unset} omp=${OMP_NUM_THREADS:-unset}"\n'
+    job = jobs.run(write_job(tmp_path, "no-cpus", body), timeout=60)
+    assert job.grep(r"^srun_cpus=unset omp=unset$") and job.grep(r" cpus/task=default$")
