@@ -131,6 +131,19 @@ def test_job_past_its_memory_is_killed_alone(cluster, tmp_path):
     assert after.state == "COMPLETED" and "allocated 400 MiB" in after.log_path.read_text().splitlines()
 
 
+@pytest.mark.skipif(not cgroups.available(), reason="needs the cgroup v1 memory controller")
+def test_a_job_finds_its_own_memory_cgroup(cluster, tmp_path):
+    script = tmp_path / "cgroup.sh"  # the path in /proc/self/cgroup leads to the job's limit
+    script.write_text(
+        f"#!/bin/bash\n#SBATCH --mem=300M\n#SBATCH --output={tmp_path}/cgroup-%j.out\n"
+        "own=$(awk -F: '$2 == \"memory\" {print $3}' /proc/self/cgroup)\n"
+        'echo "$own"; cat "/sys/fs/cgroup/memory${own%/step_*}/memory.limit_in_bytes"\n'
+    )
+    job = jobs.run(script, timeout=60)
+    own, limit = job.log_path.read_text().split()
+    assert own == f"/slurm_{job.nodes}/uid_0/job_{job.id}/step_batch/task_0" and int(limit) == 300 * 2**20
+
+
 def test_memory_beyond_a_node_is_refused_at_submission(cluster, tmp_path):
     with pytest.raises(JobError, match="sbatch refused"):
         jobs.submit(memory_job(tmp_path, f"{node_memory_mb() + 1024}M", 1))

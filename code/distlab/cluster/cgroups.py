@@ -7,10 +7,11 @@ OOM killer *inside that cgroup only*, and slurmstepd reports ``Detected 1 oom-ki
 ends the job ``OUT_OF_MEMORY``.
 
 Two clusters on one host (the shared one and a test's private one) would both use ``slurm_node1``
-and collide on equal job ids, so each slurmd runs in its own mount namespace where this cluster's
-folder ``/sys/fs/cgroup/<controller>/distlab-<port>`` is bind-mounted over
-``/sys/fs/cgroup/<controller>``: the cluster's jobs live under that folder, and no other program's
-cgroups are visible to its slurmd.
+and collide on equal job ids, so each slurmd starts inside this cluster's folder
+``/sys/fs/cgroup/<controller>/distlab-<port>``, in a cgroup namespace rooted there, and in a mount
+namespace where that folder is bind-mounted over ``/sys/fs/cgroup/<controller>``. Its jobs live
+under that folder, and inside a job ``/proc/self/cgroup`` (``/slurm_node1/uid_0/job_<id>/...``)
+names the job's own folder under ``/sys/fs/cgroup/memory``, as on a real node.
 """
 
 from __future__ import annotations
@@ -39,18 +40,21 @@ def cluster_folder(p: ClusterPaths, controller: str) -> Path:
 
 
 def slurmd_command(p: ClusterPaths, node: str, cgroups: bool) -> list[str]:
-    """``slurmd -N node`` in its own UTS namespace (hostname ``node``) and, with cgroups, its own
-    mount namespace whose /sys/fs/cgroup/<controller> is this cluster's folder."""
-    steps = [f"hostname {node}"]
-    unshare = ["unshare", "--uts"]
+    """``slurmd -N node`` in its own UTS namespace (hostname ``node``) and, with cgroups, in this
+    cluster's cgroup folders, with its own cgroup namespace (so ``/proc/self/cgroup`` reads
+    ``/slurm_nodeK/...``) and mount namespace (where that path exists under /sys/fs/cgroup)."""
+    inner = [f"hostname {node}"]
+    outer, unshare = [], ["unshare", "--uts"]
     if cgroups:
-        unshare += ["--mount", "--propagation", "private"]
+        unshare += ["--mount", "--propagation", "private", "--cgroup"]
         for c in CONTROLLERS:
             folder = cluster_folder(p, c)
             folder.mkdir(exist_ok=True)
-            steps.append(f"mount --bind {shlex.quote(str(folder))} {CGROUP_ROOT / c}")
-    steps.append(f"exec slurmd -N {node} -f {shlex.quote(str(p.conf))}")
-    return [*unshare, "sh", "-c", " && ".join(steps)]
+            outer.append(f"echo $$ > {shlex.quote(str(folder / 'cgroup.procs'))}")
+            inner.append(f"mount --bind {shlex.quote(str(folder))} {CGROUP_ROOT / c}")
+    inner.append(f"exec slurmd -N {node} -f {shlex.quote(str(p.conf))}")
+    outer.append(f"exec {shlex.join([*unshare, 'sh', '-c', ' && '.join(inner)])}")
+    return ["sh", "-c", " && ".join(outer)]
 
 
 def remove_folders(p: ClusterPaths) -> None:
