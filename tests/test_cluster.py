@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from distlab.cluster import ClusterPaths, daemons, process
+from distlab.cluster import ClusterPaths, cgroups, daemons, process
 from distlab.distributed import free_port
 from tests.conftest import cluster_available
 
@@ -56,6 +56,7 @@ def test_start_stop_restart_are_safe_to_repeat(private_cluster):
     assert daemons.is_up(paths)
     assert "stopped" in daemons.stop(paths)
     assert not daemons.is_up(paths)
+    assert not any(cgroups.cluster_folder(paths, c).exists() for c in cgroups.CONTROLLERS)
     daemons.stop(paths)  # stopping twice is harmless
     assert "slurmctld  stopped" in daemons.status(paths)
     assert "slurmdbd   stopped" in daemons.status(paths)

@@ -16,8 +16,10 @@ names the job's own folder under ``/sys/fs/cgroup/memory``, as on a real node.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import time
 from pathlib import Path
 
 from distlab.cluster.config import ClusterPaths
@@ -57,18 +59,20 @@ def slurmd_command(p: ClusterPaths, node: str, cgroups: bool) -> list[str]:
     return ["sh", "-c", " && ".join(outer)]
 
 
-def remove_folders(p: ClusterPaths) -> None:
-    """Remove this cluster's (empty) cgroup folders, deepest first, once its slurmd have stopped."""
+def remove_folders(p: ClusterPaths, timeout: float = 5) -> None:
+    """Remove this cluster's cgroup folders, deepest first, once its slurmd have stopped.
+
+    A process that just exited may hold its folder for a moment, so this retries up to
+    ``timeout`` s; a folder still holding a process after that (a job step that outlived its
+    slurmd) is left."""
+    deadline = time.monotonic() + timeout
     for c in CONTROLLERS:
         top = cluster_folder(p, c)
-        if top.exists():
-            for folder in sorted((d for d in top.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
-                _rmdir(folder)
-            _rmdir(top)
-
-
-def _rmdir(folder: Path) -> None:
-    try:
-        folder.rmdir()
-    except OSError:  # still holds a process (a job step that outlived its slurmd): leave it
-        pass
+        while top.exists():
+            inner = sorted((d for d in top.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts))
+            for folder in [*inner, top]:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
