@@ -60,3 +60,13 @@ def test_srun_and_salloc_get_the_sbatch_settings(sites):
     assert env["SLURM_ACCOUNT"] == env["SALLOC_ACCOUNT"] == "my-project"
     assert env["SLURM_GPUS_PER_NODE"] == "4" and "SLURM_QOS" not in env  # commented out there
     assert env["SRUN_CPUS_PER_TASK"] == "8"
+
+
+def test_site_shell_files_parse():
+    """Profiles, job-env.sh and the PBS example are valid bash (PBS itself cannot run here)."""
+    files = sorted((REPO_ROOT / "sites").glob("*.sh")) + [REPO_ROOT / "sites" / "pbs-example.pbs"]
+    for path in files:
+        out = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, (path, out.stderr)
+    pbs = (REPO_ROOT / "sites" / "pbs-example.pbs").read_text()
+    assert '--hostfile "$PBS_NODEFILE"' in pbs and "-x MASTER_ADDR -x MASTER_PORT" in pbs

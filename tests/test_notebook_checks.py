@@ -1,0 +1,181 @@
+"""Every check cell of notebooks 00-03: right answers pass, wrong ones fail, untouched ones wait.
+
+Each case names a notebook, the answer variables of one check cell with their right values (those
+of the solution notebook), one wrong answer, and what else the cell reads. The check cell's own
+source, taken from the committed notebook, runs three times: right (prints ``[ok]``), wrong
+(raises ExerciseError) and untouched (every answer ``FIXME``: prints ``[not yet]``, raises nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from distlab import REPO_ROOT, topology
+from distlab.checks import FIXME, ExerciseError, check, script_untouched
+from distlab.comm import collectives
+
+WORLD = 4  # the local cluster's two-node jobs: 2 nodes x 2 processes
+CHUNKS = [len(c) for c in torch.tensor_split(torch.arange(1001), WORLD)]
+ROW = {
+    "bytes": "4194304",
+    "time_us": "2000.0",
+    "world_size": "2",
+    "busbw_GBps": str(4194304 / 2e-3 / 1e9 / 2),
+}
+
+
+def nvlink_pairs(matrix):
+    return [{"GPU0", "GPU1"}, {"GPU2", "GPU3"}]
+
+
+CASES = [  # (notebook, right answers, one wrong answer, context)
+    ("00_start_here", {"address_field": "NodeAddr"}, {"address_field": "NodeHostName"}, {}),
+    ("00_start_here", {"ranks_on_second_node": [2, 3]}, {"ranks_on_second_node": [1, 3]}, {}),
+    ("00_start_here", {"time_limit_given": "00:01:00"}, {"time_limit_given": "00:00:01"}, {}),
+    ("01_system_topology", {"numa_nodes": 2}, {"numa_nodes": 1}, {"here": {"cpu": {"NUMA node(s)": "2"}}}),
+    ("01_system_topology", {"nvlink_groups": nvlink_pairs}, {"nvlink_groups": lambda m: [set(m)]}, {}),
+    (
+        "01_system_topology",
+        {"nccl_gpu0_gpu1": "P2P/CUMEM", "nccl_between_nodes": "NET/IB"},
+        {"nccl_gpu0_gpu1": "P2P/NVL"},
+        {},
+    ),
+    (
+        "02_collectives",
+        {"launcher_under_plain_srun": "srun", "rank_variable": "SLURM_PROCID"},
+        {"rank_variable": "RANK"},
+        {},
+    ),
+    ("02_collectives", {"chain_breaker": 1}, {"chain_breaker": 0}, {}),
+    (
+        "02_collectives",
+        {
+            "rank2_reduce_scatter": [616, 620],
+            "rank1_all_to_all": [1, 11, 21, 31],
+            "odd_group_min": [11, 12],
+            "sum_everywhere": "all_reduce",
+            "shard_of_sum": "reduce_scatter",
+        },
+        {"rank2_reduce_scatter": [4, 5]},
+        {"WORLD": WORLD},
+    ),
+    ("02_collectives", {"rank0_sends": 1502}, {"rank0_sends": 1501.5}, {"WORLD": WORLD, "chunks": CHUNKS}),
+    (
+        "02_collectives",
+        {"my_busbw": float(ROW["busbw_GBps"]), "allreduce_1GB_ms": 11.67},
+        {"allreduce_1GB_ms": 6.67},
+        {"row": ROW},
+    ),
+    (
+        "03_cifar_ddp",
+        {"training_checksums_attribute": "train_list"},
+        {"training_checksums_attribute": "md5"},
+        {},
+    ),
+    ("03_cifar_ddp", {"indices_per_rank": 4, "images_seen_twice": None}, {"indices_per_rank": 3}, {}),
+    (
+        "03_cifar_ddp",
+        {
+            "rank_variable": {
+                "srun+torchrun": "RANK",
+                "mpirun": "OMPI_COMM_WORLD_RANK",
+                "srun": "SLURM_PROCID",
+            }
+        },
+        {
+            "rank_variable": {
+                "srun+torchrun": "SLURM_PROCID",
+                "mpirun": "OMPI_COMM_WORLD_RANK",
+                "srun": "SLURM_PROCID",
+            }
+        },
+        {},
+    ),
+    (
+        "03_cifar_ddp",
+        {
+            "steps_per_epoch": {"1 process": 47, "DDP, 1 node": 24, "DDP, 2 nodes": 12},
+            "predicted_efficiency": 0.83,
+        },
+        {"steps_per_epoch": {"1 process": 47, "DDP, 1 node": 47, "DDP, 2 nodes": 47}},
+        {"NUM_TRAIN": 3000, "BATCH": 64, "PROCS": 2, "WORLD": WORLD},
+    ),
+    ("03_cifar_ddp", {"resumed_equals_uninterrupted": True}, {"resumed_equals_uninterrupted": False}, {}),
+]
+
+
+def check_cell(notebook: str, names: list[str]) -> str:
+    """The source of the code cell that calls check() on all of ``names``."""
+    cells = json.loads((REPO_ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+    for cell in cells:
+        text = "".join(cell["source"])
+        if cell["cell_type"] == "code" and "check(" in text and "= FIXME" not in text:
+            if all(name in text for name in names):
+                return text
+    raise AssertionError(f"{notebook}: no check cell uses {names}")
+
+
+def run_cell(source: str, answers: dict, context: dict) -> str:
+    namespace = {
+        "check": check,
+        "FIXME": FIXME,
+        "script_untouched": script_untouched,
+        "collectives": collectives,
+        "math": math,
+        "topology": topology,
+        "DistributedSampler": DistributedSampler,
+        "BACKEND": "gloo",
+        **context,
+        **answers,
+    }
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(source, "<check cell>", "exec"), namespace)
+    return out.getvalue()
+
+
+@pytest.fixture
+def untouched_scripts(tmp_path, monkeypatch):
+    """The exercises' batch scripts as the notebooks leave them: still FIXME."""
+    (tmp_path / "jobs").mkdir()
+    for name in ("ranks.sbatch", "cifar-part1.sbatch", "cifar-part2.sbatch"):
+        (tmp_path / "jobs" / name).write_text("#!/bin/bash\nFIXME\n")
+    monkeypatch.chdir(tmp_path)
+
+
+def right_answers(answers: dict) -> dict:
+    """Fill answers that depend on the sampler's shuffle with what it really gives."""
+    if answers.get("images_seen_twice", 0) is None:
+        shards = [list(DistributedSampler(range(10), num_replicas=3, rank=r)) for r in range(3)]
+        flat = [i for s in shards for i in s]
+        answers = {**answers, "images_seen_twice": sorted({i for i in flat if flat.count(i) > 1})}
+    return answers
+
+
+@pytest.mark.parametrize("notebook,answers,wrong,context", CASES, ids=lambda v: str(v)[:40])
+def test_check_cell(notebook, answers, wrong, context, untouched_scripts):
+    source = check_cell(notebook, list(answers))
+    right = right_answers(answers)
+    assert "[ok]" in run_cell(source, right, context)
+    with pytest.raises(ExerciseError):
+        run_cell(source, {**right, **wrong}, context)
+    placeholders = {n: (lambda *a: FIXME) if callable(v) else FIXME for n, v in answers.items()}
+    untouched = run_cell(source, placeholders, context)
+    assert "[not yet]" in untouched and "[ok]" not in untouched
+
+
+def test_all_gather_exercise_check(untouched_scripts):
+    source = check_cell("02_collectives", ["my_all_gather", "results"])
+    lines = [f"[rank {r}/4 node] my_all_gather shape {s}: ok" for r in range(WORLD) for s in range(3)]
+    assert "[ok]" in run_cell(source, {"results": lines}, {"WORLD": WORLD})
+    with pytest.raises(ExerciseError):
+        run_cell(source, {"results": [*lines[:-1], lines[-1].replace("ok", "WRONG")]}, {"WORLD": WORLD})
+    waiting = ["[rank 0/4 node] my_all_gather: not implemented yet (TODO)"]
+    assert "[not yet]" in run_cell(source, {"results": waiting}, {"WORLD": WORLD})
