@@ -7,7 +7,8 @@ import math
 import pytest
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.log import ITERATION_RE, iteration_line, model_flops_per_iteration, validation_lines
+from distlab.gpt.flops import model_flops_per_iteration
+from distlab.gpt.log import ITERATION_RE, iteration_line, validation_lines
 from distlab.gpt.optimizer import LRSchedule
 
 # The line of the issue, which the notebooks grep (Megatron-LM's training_log).

@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 
 from distlab.distributed import free_port
 from distlab.gpt.local_run import prepare_data, pretrain_as_rank
-from distlab.gpt.pipeline_timeline import load_timeline, plot_timelines
+from distlab.gpt.pipeline_plot import plot_timelines
+from distlab.gpt.pipeline_timeline import load_timeline
 
 pytestmark = pytest.mark.timeout(420)
 

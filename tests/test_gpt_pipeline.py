@@ -17,20 +17,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
 from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
+from distlab.gpt.gradients import reduce_gradients
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel import forward_backward_pipeline
-from distlab.gpt.pipeline_timeline import (
-    PipelineTimeline,
-    measured_bubble,
-    plot_timelines,
-    save_timeline,
-    theoretical_bubble,
-)
-from distlab.gpt.pp_communications import P2PSpec, finalize_gradients, sync_tied_embedding_
+from distlab.gpt.pipeline_plot import plot_timelines
+from distlab.gpt.pipeline_timeline import PipelineTimeline, measured_bubble, save_timeline, theoretical_bubble
+from distlab.gpt.pp_communications import P2PSpec
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -70,10 +65,8 @@ class Stage(nn.Module):
         for j in self.ids:
             self.layers[j].load_state_dict(ref[j].state_dict())
         self.w = None
-        if state.is_first_stage or state.is_last_stage:
-            self.w = nn.Parameter(torch.zeros(D, D))  # last stage's copy filled by sync_tied_embedding_
-            if state.is_first_stage:
-                self.w.data.copy_(ref["w"].weight)
+        if state.is_first_stage or state.is_last_stage:  # each end holds a copy of the tied W
+            self.w = nn.Parameter(ref["w"].weight.detach().clone())
 
     def forward(self, x: torch.Tensor | None, i: int) -> torch.Tensor:
         s = self.state
@@ -87,27 +80,24 @@ def order(events: list[dict], stage: int) -> list[str]:
     return [f"{e['kind']}{e['mb']}" for e in sorted(events, key=lambda e: e["start"]) if e["stage"] == stage]
 
 
-def run_layout(pp: int, m: int, schedule: str, use_ddp: bool, out: Path) -> None:
+def run_layout(pp: int, m: int, schedule: str, out: Path) -> None:
     state = ParallelState.build(pp=pp)
     dp = state.dp
     ref, ref_losses = reference(dp, m)
     X, Y = make_data(dp, m)
     stage = Stage(ref, state, X, Y)
-    sync_tied_embedding_(stage.w, state)
-    module = DDP(stage, process_group=state.dp_group) if use_ddp else stage
     timeline = PipelineTimeline(state.pp_rank, pp, group=state.pp_group)
     losses = forward_backward_pipeline(
-        lambda x, i: module(x, i),
+        lambda x, i: stage(x, i),
         num_microbatches=m,
         state=state,
         schedule=schedule,
         spec=P2PSpec((MB, D), torch.float32, torch.device("cpu"), timeout_s=60),
         timeline=timeline,
-        no_sync=module.no_sync if use_ddp else None,
     )
-    finalize_gradients(stage.parameters(), stage.w, state)
+    reduce_gradients(stage.parameters(), stage.w, state)  # sum W's two gradients, average over dp
 
-    what = f"pp={pp} dp={dp} m={m} {schedule} ddp={use_ddp} rank {state.rank}"
+    what = f"pp={pp} dp={dp} m={m} {schedule} rank {state.rank}"
     if state.is_last_stage:
         assert_close(torch.stack(losses), ref_losses[state.dp_rank], msg=lambda s: f"{what}: losses {s}")
     else:
@@ -148,9 +138,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     )
     try:
         for schedule in ("gpipe", "1f1b"):
-            run_layout(4, 6, schedule, False, Path(out))  # p=4: 1F1B has 3, 2, 1, 0 warm-up forwards
-            run_layout(4, 2, schedule, False, Path(out))  # fewer micro-batches than stages
-            run_layout(2, 4, schedule, True, Path(out))  # pp=2 x dp=2 under DDP.no_sync
+            run_layout(4, 6, schedule, Path(out))  # p=4: 1F1B has 3, 2, 1, 0 warm-up forwards
+            run_layout(4, 2, schedule, Path(out))  # fewer micro-batches than stages
+            run_layout(2, 4, schedule, Path(out))  # pp=2 x dp=2: gradients averaged after the schedule
         dist.barrier()
     finally:
         shutdown()
@@ -165,6 +155,64 @@ def test_schedules_match_single_process_and_plot(tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000
     tl = json.loads((tmp_path / "1f1b-pp4-m6.json").read_text())
     assert len(tl["events"]) == 4 * 2 * 6
+
+
+def completes_in_order(a: list[list[str]], b: list[list[str]]) -> bool:
+    """NCCL's rule for one pair of ranks: each runs its batches in order, and a batch finishes only
+    together with the peer's current batch, when its sends meet that batch's receives one to one."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i].count("isend") != b[j].count("irecv") or a[i].count("irecv") != b[j].count("isend"):
+            return False  # both wait for an operation the other has queued behind its own
+        i, j = i + 1, j + 1
+    return i == len(a) and j == len(b)
+
+
+def _record_batches(rank: int, world: int, port: int, out: str) -> None:
+    """1F1B on p=2, m=4 (one warm-up forward on stage 0, three steady 1F1B steps), recording
+    every ``batch_isend_irecv`` call: the list of (operation, peer) it posts."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    init_distributed(
+        "gloo", timeout_s=60, env=DistEnv(rank, world, rank, world, "127.0.0.1", port, "torchrun")
+    )
+    posted, real = [], dist.batch_isend_irecv
+
+    def recording(ops):
+        posted.append([(op.op.__name__, op.peer) for op in ops])
+        return real(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        state = ParallelState.build(pp=2)
+        ref, _ = reference(1, 4)
+        X, Y = make_data(1, 4)
+        stage = Stage(ref, state, X, Y)
+        spec = P2PSpec((MB, D), torch.float32, torch.device("cpu"), timeout_s=60)
+        forward_backward_pipeline(stage, num_microbatches=4, state=state, spec=spec, schedule="1f1b")
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, posted)
+        if rank == 0:
+            Path(out, "posted.json").write_text(json.dumps(gathered))
+    finally:
+        dist.batch_isend_irecv = real
+        shutdown()
+
+
+def test_1f1b_posts_each_neighbour_exchange_as_one_batch(tmp_path: Path) -> None:
+    """The steady state's exchanges (stage 0: y out, dy in; stage 1: dx out, next x in) are one
+    batch each, the order NCCL completes; posted one by one, irecv first, they would deadlock."""
+    mp.spawn(_record_batches, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    first, last = json.loads((tmp_path / "posted.json").read_text())
+    both = [["isend", 1], ["irecv", 1]]
+    assert first == [[["isend", 1]], both, both, both, [["irecv", 1]]], first
+    both = [["isend", 0], ["irecv", 0]]
+    assert last == [[["irecv", 0]], both, both, both, [["isend", 0]]], last
+    kinds = [[[op for op, _ in batch] for batch in ranks] for ranks in (first, last)]
+    assert completes_in_order(*kinds)
+    one_by_one = [[[op] for batch in ranks for op in sorted(batch)] for ranks in kinds]
+    assert one_by_one[0][1:3] == [["irecv"], ["isend"]]  # the unbatched order: irecv, then isend
+    assert not completes_in_order(*one_by_one)
 
 
 def test_bubble_formulas() -> None:

@@ -12,7 +12,8 @@ import pytest
 from distlab import jobs
 from distlab.gpt.local_run import prepare_data
 from distlab.gpt.log import ITERATION_RE
-from distlab.gpt.pipeline_timeline import load_timeline, plot_timelines
+from distlab.gpt.pipeline_plot import plot_timelines
+from distlab.gpt.pipeline_timeline import load_timeline
 
 pytestmark = pytest.mark.timeout(300)
 

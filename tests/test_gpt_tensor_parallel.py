@@ -23,7 +23,7 @@ from distlab.gpt.tensor_parallel import (
     VocabParallelEmbedding,
     pad_vocab_size,
     parallel_lm_logits,
-    shard_rows,
+    shard,
     vocab_parallel_cross_entropy,
 )
 from distlab.gpt.tp_communications import gather_from_tensor_parallel
@@ -81,7 +81,7 @@ def check_gather_scatter_and_stride(group: dist.ProcessGroup, rank: int, p: int)
     # The full gradient of x needs every rank's slice: sin on the local slice is elementwise.
     y_local.sin().sum().backward()
     assert_close(xp.grad, x.grad)
-    assert_close(col.weight.grad, shard_rows(lin.weight.grad, p, rank, stride=3))
+    assert_close(col.weight.grad, shard(lin.weight.grad, 0, p, rank, stride=3))
 
     col_g = ColumnParallelLinear(H, FF, group=group, gather_output=True)
     row_s = RowParallelLinear(FF, H, group=group, input_is_parallel=False)

@@ -214,6 +214,17 @@ def whole_line_stdout() -> None:
         sys.stdout.reconfigure(line_buffering=True, write_through=False)
 
 
+def print_on(on: bool, *lines: str) -> None:
+    """Print ``lines`` in one write when ``on`` is true, e.g. ``print_on(ctx.rank == 0, ...)``.
+
+    The one print-on-one-rank helper: start-up lines from rank 0, a loss from the rank that
+    holds it. One write, flushed, so another rank's line never lands inside these.
+    """
+    if on and lines:
+        sys.stdout.write("".join(f"{line}\n" for line in lines))
+        sys.stdout.flush()
+
+
 def init_distributed(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -1,51 +1,18 @@
-"""Megatron-format log lines, TensorBoard scalars and model FLOPs.
+"""Megatron-format log lines, TensorBoard scalars, and the one timer of the training loop.
 
-Model FLOPs of one iteration (Megatron's formula; activation recomputation adds a forward,
-factor 4 instead of 3 = forward + 2 x backward), with B samples of length s, L layers, width h,
-vocabulary V::
-
-    F = 24 c B s L h^2 (1 + s / (6 h) + V / (16 L h)),   c = 3 (or 4 with recomputation)
-
-    TFLOP/s per device = F / (time per iteration x world size) / 1e12
-    MFU                = TFLOP/s per device / peak of the device (when known)
+The throughput fields of the iteration line (tokens/s, TFLOP/s per device, MFU) come from
+``flops.py``.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-
-#: Dense bf16/fp16 tensor-core peaks (TFLOP/s) by a substring of the device name.
-PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "A10G": 125.0,
-    "L40S": 362.0,
-    "V100": 125.0,
-    "L4": 121.0,
-    "T4": 65.0,
-}
-
-
-def model_flops_per_iteration(args: PretrainArgs, vocab_size: int) -> float:
-    """Forward + backward FLOPs of one global batch (see the module docstring)."""
-    B, s, L, h = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size
-    c = 4 if args.recompute_activations else 3
-    return 24.0 * c * B * s * L * h * h * (1.0 + s / (6.0 * h) + vocab_size / (16.0 * L * h))
-
-
-def device_peak_tflops(device: torch.device) -> float | None:
-    """Peak TFLOP/s of the device, or None where unknown (CPUs)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+from distlab.gpt.flops import device_peak_tflops, model_flops_per_iteration
 
 
 def iteration_line(
@@ -107,28 +74,27 @@ def validation_lines(label: str, loss: float) -> list[str]:
 
 
 class Timer:
-    """Wall-clock seconds of a region; synchronises CUDA so GPU time is counted."""
+    """Wall-clock seconds since the start and between laps; synchronises CUDA so GPU work counts."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.total, self._start = device, 0.0, None
+        self.device = device
+        self._sync()
+        self.started = self._last = time.perf_counter()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def start(self) -> None:
+    def lap(self) -> float:
+        """Seconds since the previous lap (or the start)."""
         self._sync()
-        self._start = time.perf_counter()
-
-    def stop(self) -> float:
-        self._sync()
-        dt = time.perf_counter() - self._start
-        self.total += dt
+        now = time.perf_counter()
+        dt, self._last = now - self._last, now
         return dt
 
-    def pop(self) -> float:
-        t, self.total = self.total, 0.0
-        return t
+    def elapsed(self) -> float:
+        """Seconds since the start."""
+        return time.perf_counter() - self.started
 
 
 class TensorBoardLog:
@@ -151,7 +117,6 @@ class TensorBoardLog:
         loss_scale: float,
         grad_norm: float | None,
         iter_ms: float,
-        timers: dict[str, float],
     ) -> None:
         w, a = self.writer, self.args
         if w is None:
@@ -171,8 +136,6 @@ class TensorBoardLog:
             w.add_scalar("grad-norm vs samples", grad_norm, samples)
         if a.log_timers_to_tensorboard:
             w.add_scalar("iteration-time", iter_ms / 1000.0, iteration)
-            for name, ms in timers.items():
-                w.add_scalar(f"{name}-time", ms, iteration)
 
     def validation(self, iteration: int, samples: int, loss: float) -> None:
         w = self.writer
@@ -201,16 +164,12 @@ class TrainingLog:
         self.args, self.world_size = args, world_size
         self.flops = model_flops_per_iteration(args, vocab_size)
         self.peak = device_peak_tflops(device)
-        self.timer = Timer(device)
-        self.history: dict = {
-            k: []
-            for k in ("iterations", "losses", "loss_scales", "grad_norms", "lrs", "val_losses", "iter_ms")
-        }
+        keys = ("iterations", "losses", "loss_scales", "grad_norms", "lrs", "val_losses", "iter_ms")
+        self.history: dict = {k: [] for k in keys}
         self.history.update(skipped=0, nan=0)
         self._losses: list[float] = []
+        self._ms: list[float] = []
         self._skipped = self._nan = 0
-        self.timer.start()
-        self._last = time.perf_counter()
 
     def record(
         self,
@@ -223,11 +182,11 @@ class TrainingLog:
         nan: bool,
         lr: float,
         loss_scale: float,
+        iter_ms: float,
     ) -> str | None:
-        """Add one iteration; return the log line when one is due."""
-        h, now = self.history, time.perf_counter()
-        h["iter_ms"].append(1000 * (now - self._last))  # whole iteration: data, step, logging
-        self._last = now
+        """Add one iteration (``iter_ms``: the whole of it, data, step and logging); return the
+        log line when one is due."""
+        h = self.history
         for key, val in (
             ("iterations", iteration),
             ("losses", loss),
@@ -236,69 +195,39 @@ class TrainingLog:
             ("lrs", lr),
         ):
             h[key].append(val)
+        h["iter_ms"].append(iter_ms)
         h["skipped"] += skipped
         h["nan"] += nan
         self._skipped += skipped
         self._nan += nan
+        self._ms.append(iter_ms)
         if not nan:  # a skipped fp16 step still has a true forward loss
             self._losses.append(loss)
-        a = self.args
-        if iteration % a.log_interval and iteration != a.train_iters:
+        if iteration % self.args.log_interval and iteration != self.args.train_iters:
             return None
-        n = (iteration - 1) % a.log_interval + 1
-        iter_s = self.timer.stop() / n
-        tflops = self.flops / iter_s / self.world_size / 1e12
-        line = iteration_line(
-            iteration=iteration, train_iters=a.train_iters, consumed_samples=consumed, elapsed_ms=1000 * iter_s,
-            lr=lr, global_batch_size=a.global_batch_size,
-            loss=sum(self._losses) / len(self._losses) if self._losses else float("nan"), loss_scale=loss_scale,
-            grad_norm=grad_norm, skipped=self._skipped, nan=self._nan,
-            tokens_per_s=a.global_batch_size * a.seq_length / iter_s, tflops_per_device=tflops,
-            mfu=tflops / self.peak if self.peak else None,
-        )  # fmt: skip
-        self._losses, self._skipped, self._nan = [], 0, 0
-        self.timer.pop()
-        self.timer.start()
+        line = self._line(iteration, consumed, lr=lr, loss_scale=loss_scale, grad_norm=grad_norm)
+        self._losses, self._ms, self._skipped, self._nan = [], [], 0, 0
         return line
 
-
-class StepProfiler:
-    """torch.profiler over the first three steps of rank 0: one warm-up, two traced.
-
-    The trace lands in ``<tensorboard-dir>/<profile-name>/rank0.<time>.pt.trace.json``, the layout
-    TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``).
-    """
-
-    def __init__(self, args: PretrainArgs, rank: int) -> None:
-        self.folder = os.path.join(
-            args.tensorboard_dir or os.path.join("runs", "tensorboard"), args.profile_name
+    def _line(
+        self, iteration: int, consumed: int, *, lr: float, loss_scale: float, grad_norm: float | None
+    ) -> str:
+        a = self.args
+        iter_s = sum(self._ms) / len(self._ms) / 1000
+        tflops = self.flops / iter_s / self.world_size / 1e12
+        return iteration_line(
+            iteration=iteration,
+            train_iters=a.train_iters,
+            consumed_samples=consumed,
+            elapsed_ms=1000 * iter_s,
+            lr=lr,
+            global_batch_size=a.global_batch_size,
+            loss=sum(self._losses) / len(self._losses) if self._losses else float("nan"),
+            loss_scale=loss_scale,
+            grad_norm=grad_norm,
+            skipped=self._skipped,
+            nan=self._nan,
+            tokens_per_s=a.global_batch_size * a.seq_length / iter_s,
+            tflops_per_device=tflops,
+            mfu=tflops / self.peak if self.peak else None,
         )
-        self.prof, self.steps = None, 0
-        if not args.profile_execution or rank != 0:
-            return
-        acts = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(
-            activities=acts, schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.folder, "rank0"), record_shapes=True,
-        )  # fmt: skip
-        self.prof.start()
-        print(
-            f"> profiling two training steps of rank 0 into {self.folder} (TensorBoard PyTorch Profiler)",
-            flush=True,
-        )
-
-    def step(self) -> None:
-        if self.prof is None:
-            return
-        self.prof.step()
-        self.steps += 1
-        if self.steps == 3:
-            self.stop()
-            print(f"> profiler trace written under {self.folder}", flush=True)
-
-    def stop(self) -> None:
-        if self.prof is not None:
-            self.prof.stop()
-            self.prof = None

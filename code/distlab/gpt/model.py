@@ -1,28 +1,28 @@
 """GPT for one pipeline stage: pre-LayerNorm blocks, learned positions, tied embeddings.
 
-For tokens ``x`` (B, s) and L blocks::
+For tokens ``x`` (b, T) (one micro-batch) and L blocks (notation: ``distlab.gpt``'s legend)::
 
-    h_0     = E[x] + P[0:s]                                   E: (V_pad, h), P: (s_max, h)
-    a_l     = h_{l-1} + proj(attn(qkv(LN1(h_{l-1}))))         causal, heads of size h/n
-    h_l     = a_l + fc2(gelu(fc1(LN2(a_l))))                  fc1: h -> f, fc2: f -> h
-    logits  = LNf(h_L) E^T                                    (B, s, V_pad), tied with E
-    loss    = cross_entropy(logits, labels)                   per token, (B, s)
+    h_0     = E[x] + P[0:T]                                   E: (V, H), P: (T_max, H)
+    a_l     = h_{l-1} + proj(attn(qkv(LN1(h_{l-1}))))         causal, heads of size H / n
+    h_l     = a_l + fc2(gelu(fc1(LN2(a_l))))                  fc1: H -> F, fc2: F -> H
+    logits  = LNf(h_L) E^T                                    (b, T, V), tied with E
+    loss    = cross_entropy(logits, labels)                   per token, (b, T)
 
-Tensor and pipeline parallelism (``tensor_parallel.py``, ``pipeline_parallel.py``):
+Tensor parallelism (``tensor_parallel.py``): ``qkv`` and ``fc1`` are column-parallel, ``proj``
+and ``fc2`` row-parallel, E is vocabulary-parallel and the loss is the vocabulary-parallel
+cross-entropy of the (b, T, V / tp) logit slices. With tp = 1 these are the same layers with
+no group: one code path for every layout. The qkv output features are ordered
+``(head, {q,k,v}, head_dim)``, so a contiguous slice of rows is a set of whole heads.
 
-- a stage holds the embedding only if ``state.is_first_stage``, blocks
-  ``[pp_rank * L/pp, (pp_rank + 1) * L/pp)`` (keyed by their *global* index), and the final
-  LayerNorm + output head only if ``state.is_last_stage``; a last stage that is not also the first
-  holds its own copy of ``E`` (``output_weight``), initialised identically, whose gradient the
-  pipeline sums with the first stage's (``pp_communications.allreduce_tied_embedding_grad``);
-- ``qkv``/``fc1`` are column-parallel, ``proj``/``fc2`` row-parallel when tp > 1, built by
-  ``column_linear`` / ``row_linear``; the qkv output features are ordered
-  ``(head, {q,k,v}, head_dim)``, so a contiguous slice of rows is a set of whole heads, and
-  ``heads_per_partition = n // tp``; E is vocabulary-parallel (V_pad / tp rows per rank) and the
-  loss is the vocabulary-parallel cross-entropy of the (B, s, V_pad / tp) logit slices;
-- initialisation is a function of ``--seed`` and the parameter's *global* name only: the
-  full-size tensor is drawn from a generator seeded by (seed, name), then sliced along
-  ``param.partition_dim`` (if set) at ``tp_rank``. Every layout starts from the same weights.
+Pipeline parallelism (``pipeline_parallel.py``): a stage holds the embedding only if it is the
+first, blocks ``[pp_rank L / pp, (pp_rank + 1) L / pp)`` (keyed by their *global* index), and
+the final LayerNorm + output head only if it is the last. A last stage that is not also the
+first holds its own copy of E (``output_weight``); the initialiser makes it equal to the first
+stage's E (same name, same seed), and ``gradients.py`` sums the two gradients, so they stay equal.
+
+Initialisation (:func:`init_parameters`, the only one): every unsharded tensor is drawn from a
+generator seeded by ``(--seed, the parameter's global name)`` and cut with
+``tensor_parallel.shard`` along its ``partition_dim``. Every layout starts from the same weights.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from distlab.gpt.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     parallel_lm_logits,
+    shard,
     vocab_parallel_cross_entropy,
 )
 from distlab.gpt.tp_communications import gather_from_tensor_parallel
@@ -49,20 +50,20 @@ from distlab.gpt.tp_communications import gather_from_tensor_parallel
 
 @dataclass
 class GPTConfig:
-    """Model shape and initialisation (arithmetic: params ~ 12 L h^2 + V_pad h + s_max h)."""
+    """Model shape and initialisation (arithmetic: params ~ 12 L H^2 + V H + T_max H)."""
 
     num_layers: int
     """L, transformer blocks in the whole model (all stages)."""
     hidden_size: int
-    """h, the residual stream width."""
+    """H, the residual stream width."""
     num_attention_heads: int
-    """n, heads per block; head size is h / n."""
+    """n, heads per block; head size is H / n."""
     vocab_size: int
-    """V_pad, the padded vocabulary (a multiple of make-vocab-size-divisible-by x tp)."""
+    """V, the padded vocabulary (a multiple of make-vocab-size-divisible-by x tp)."""
     max_position_embeddings: int
-    """s_max, learned positions."""
+    """T_max, learned positions."""
     ffn_hidden_size: int | None = None
-    """f, MLP width; 4h when None."""
+    """F, MLP width; 4H when None."""
     init_method_std: float = 0.02
     """std of the normal init; proj and fc2 use std / sqrt(2L) (GPT-2 / Megatron)."""
     hidden_dropout: float = 0.0
@@ -77,67 +78,54 @@ class GPTConfig:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
 
-def column_linear(in_features: int, out_features: int, state: ParallelState | None) -> nn.Linear:
-    """Y = XA + b with A's columns split over tp ranks (ColumnParallelLinear when tp > 1)."""
-    if state is not None and state.tp > 1:
-        return ColumnParallelLinear(in_features, out_features, group=state.tp_group)
-    return nn.Linear(in_features, out_features)
-
-
-def row_linear(in_features: int, out_features: int, state: ParallelState | None) -> nn.Linear:
-    """Y = XA + b with A's rows split over tp ranks (RowParallelLinear when tp > 1)."""
-    if state is not None and state.tp > 1:
-        return RowParallelLinear(in_features, out_features, group=state.tp_group)
-    return nn.Linear(in_features, out_features)
-
-
 class SelfAttention(nn.Module):
-    """Causal multi-head attention through ``scaled_dot_product_attention``."""
+    """Causal multi-head attention; this rank computes ``n / tp`` whole heads."""
 
-    def __init__(self, cfg: GPTConfig, state: ParallelState | None) -> None:
+    def __init__(self, cfg: GPTConfig, group, tp: int) -> None:
         super().__init__()
-        tp = state.tp if state is not None else 1
-        self.heads_per_partition = cfg.num_attention_heads // tp
+        self.heads = cfg.num_attention_heads // tp  # this rank's heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.dropout = cfg.attention_dropout
-        self.qkv = column_linear(cfg.hidden_size, 3 * cfg.hidden_size, state)
-        self.proj = row_linear(cfg.hidden_size, cfg.hidden_size, state)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, group=group)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape  # x: (B, T, h)
-        qkv = self.qkv(x).view(B, T, self.heads_per_partition, 3, self.head_dim)  # (B, T, nh, 3, hd)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(
+        b, T, _ = x.shape  # x: (b, T, H), replicated over the tp ranks
+        qkv = self.qkv(x)  # f (identity forward, all-reduce of dx backward), then (b, T, 3H/tp)
+        q, k, v = qkv.view(b, T, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(  # each of q, k, v: (b, n/tp, T, H/n)
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).reshape(B, T, self.heads_per_partition * self.head_dim)  # (B, T, h/tp)
-        return self.proj(y)  # (B, T, h)
+        y = y.transpose(1, 2).reshape(b, T, self.heads * self.head_dim)  # (b, T, H/tp)
+        return self.proj(y)  # partial (b, T, H) per rank, then g: all-reduce forward
 
 
 class MLP(nn.Module):
-    """h -> f -> GELU -> h."""
+    """H -> F -> GELU -> H, with F split over the tp ranks."""
 
-    def __init__(self, cfg: GPTConfig, state: ParallelState | None) -> None:
+    def __init__(self, cfg: GPTConfig, group) -> None:
         super().__init__()
-        self.fc1 = column_linear(cfg.hidden_size, cfg.ffn, state)
-        self.fc2 = row_linear(cfg.ffn, cfg.hidden_size, state)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn, group=group)
+        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden_size, group=group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))  # (B, T, f/tp) inside, (B, T, h) out
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (b, T, H)
+        y = F.gelu(self.fc1(x))  # f, then (b, T, F/tp): no communication between fc1 and fc2
+        return self.fc2(y)  # partial (b, T, H) per rank, then g: all-reduce forward
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
+    """Pre-LayerNorm transformer block: per direction, one f and one g around attention and
+    around the MLP, so 2 all-reduces forward and 2 backward when tp > 1."""
 
-    def __init__(self, cfg: GPTConfig, state: ParallelState | None) -> None:
+    def __init__(self, cfg: GPTConfig, group, tp: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attn = SelfAttention(cfg, state)
+        self.attn = SelfAttention(cfg, group, tp)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.mlp = MLP(cfg, state)
+        self.mlp = MLP(cfg, group)
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, T, H) -> (b, T, H)
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.mlp(self.ln2(x)))
 
@@ -150,45 +138,48 @@ class GPTModel(nn.Module):
         self.cfg, self.state = cfg, state
         tp, pp = (state.tp, state.pp) if state is not None else (1, 1)
         pp_rank = state.pp_rank if state is not None else 0
-        self.is_first = state.is_first_stage if state is not None else True
-        self.is_last = state.is_last_stage if state is not None else True
-        self.tp_group = state.tp_group if tp > 1 else None  # vocab-parallel E, logits and loss
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
+        self.tp_group = state.tp_group if tp > 1 else None  # None: every operator is the identity
         if self.is_first:
-            if tp > 1:  # E: (V_pad / tp, h), rows split over tp ranks
-                self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=self.tp_group)
-            else:
-                self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # E: (V_pad, h)
-            self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # P: (s_max, h)
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=self.tp_group)
+            self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # P: (T_max, H)
             self.drop = nn.Dropout(cfg.hidden_dropout)
         per_stage = cfg.num_layers // pp
         first_layer = pp_rank * per_stage
         self.layers = nn.ModuleDict(
-            {str(i): Block(cfg, state) for i in range(first_layer, first_layer + per_stage)}
+            {str(i): Block(cfg, self.tp_group, tp) for i in range(first_layer, first_layer + per_stage)}
         )
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-            if not self.is_first:  # own copy of E, kept equal to the first stage's by part 2
+            if not self.is_first:  # own copy of E: (V / tp, H), rows split as the first stage's
                 self.output_weight = nn.Parameter(torch.empty(cfg.vocab_size // tp, cfg.hidden_size))
-                if tp > 1:
-                    self.output_weight.partition_dim = 0  # this rank's vocabulary rows, as wte
-                self.output_weight.init_name = "wte.weight"
-                self.output_weight.shared_embedding = True
+                self.output_weight.partition_dim = 0
+                self.output_weight.init_name = "wte.weight"  # drawn as E: equal from the start
+                self.output_weight.shared_embedding = True  # counted once by the gradient norm
         self.input_tensor: torch.Tensor | None = None  # hidden states from the previous stage
         init_parameters(self, cfg, state)
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        """Hidden states (B, T, h) this stage starts from when it is not the first."""
+        """Hidden states (b, T, H) this stage starts from when it is not the first."""
         self.input_tensor = tensor
 
     def output_embedding(self) -> torch.Tensor:
+        """E as the output layer uses it (this stage's own copy when it is not the first)."""
         return self.wte.weight if self.is_first else self.output_weight
 
+    def tied_embedding(self) -> torch.Tensor | None:
+        """E on the first and the last stage when they are different stages, else None: the
+        weight whose two gradients ``gradients.reduce_gradients`` sums."""
+        if self.is_first == self.is_last:
+            return None
+        return self.output_embedding()
+
     def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) -> per-token loss (B, T) if labels are given on the last stage, logits
-        (B, T, V_pad) without labels, hidden states (B, T, h) on other stages."""
+        """tokens (b, T) -> per-token loss (b, T) if labels are given on the last stage, logits
+        (b, T, V) without labels, hidden states (b, T, H) on other stages."""
         if self.is_first:
             pos = torch.arange(tokens.shape[1], device=tokens.device)
-            h = self.drop(self.wte(tokens) + self.wpe(pos))  # (B, T, h)
+            h = self.drop(self.wte(tokens) + self.wpe(pos))  # (b, T, H)
         else:
             h = self.input_tensor
         for block in self.layers.values():
@@ -198,21 +189,10 @@ class GPTModel(nn.Module):
                 h = block(h)
         if not self.is_last:
             return h
-        if self.tp_group is not None:  # logits split by vocabulary: (B, T, V_pad / tp)
-            logits = parallel_lm_logits(self.ln_f(h), self.output_embedding(), self.tp_group)
-            if labels is None:
-                return gather_from_tensor_parallel(logits, self.tp_group)  # (B, T, V_pad)
-            return vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (B, T)
-        logits = F.linear(self.ln_f(h), self.output_embedding())  # (B, T, V_pad)
+        logits = parallel_lm_logits(self.ln_f(h), self.output_embedding(), self.tp_group)  # (b, T, V/tp)
         if labels is None:
-            return logits
-        return lm_loss(logits, labels)
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token cross entropy in fp32: (B, T, V) x (B, T) -> (B, T)."""
-    B, T, V = logits.shape
-    return F.cross_entropy(logits.float().view(B * T, V), labels.view(B * T), reduction="none").view(B, T)
+            return gather_from_tensor_parallel(logits, self.tp_group)  # (b, T, V)
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -221,9 +201,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, cfg: GPTConfig, state: ParallelState | None) -> None:
-    """Layout-independent init: full tensor from (seed, global name), sliced along partition_dim.
+    """Layout-independent init: the unsharded tensor from (seed, global name), then this rank's shard.
 
-    LayerNorm weights 1, biases 0; ``proj``/``fc2`` weights N(0, std/sqrt(2L)); the rest N(0, std).
+    LayerNorm weights 1, biases 0; ``proj``/``fc2`` weights N(0, std / sqrt(2L)); the rest N(0, std).
     """
     tp, tp_rank = (state.tp, state.tp_rank) if state is not None else (1, 0)
     for name, p in model.named_parameters():
@@ -246,9 +226,3 @@ def init_parameters(model: nn.Module, cfg: GPTConfig, state: ParallelState | Non
         if dim is not None:
             w = shard(w, dim, tp, tp_rank, getattr(p, "partition_stride", 1))
         p.copy_(w.to(p.dtype))
-
-
-def shard(full: torch.Tensor, dim: int, tp: int, tp_rank: int, stride: int = 1) -> torch.Tensor:
-    """Rank ``tp_rank``'s part of ``full`` along ``dim``: ``stride`` blocks, each cut in ``tp``."""
-    blocks = full.unflatten(dim, (stride, full.shape[dim] // stride))  # (..., stride, n/stride, ...)
-    return blocks.chunk(tp, dim=dim + 1)[tp_rank].flatten(dim, dim + 1)  # (..., n/tp, ...)

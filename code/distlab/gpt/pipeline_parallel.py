@@ -1,7 +1,7 @@
 """Pipeline parallelism: activations over point-to-point links, GPipe and 1F1B schedules.
 
 The model's L layers are split into ``p`` stages (``L / p`` consecutive layers each); a batch is
-split into ``m`` micro-batches. Stage ``s`` receives its input (B, T, H) from stage ``s-1``,
+split into ``m`` micro-batches. Stage ``s`` receives its input (b, T, H) from stage ``s-1``,
 sends its output to ``s+1``, and in backward receives the output's gradient from ``s+1`` and
 sends the input's gradient to ``s-1``. F_i / B_i are the forward / backward of micro-batch i::
 
@@ -15,20 +15,12 @@ Both leave the same idle time (the bubble), a fraction ``(p-1)/(m+p-1)`` of the 
 F and all B take the same time; 1F1B's gain is memory. Both compute the same gradients: each is
 the sum over micro-batches of ``d(loss_i / m)``, accumulated in ``.grad``.
 
-Data parallelism with ``pp > 1`` (why not plain DDP): DDP all-reduces a gradient bucket from an
-autograd hook during the backward that follows a *synchronising* forward, and ``no_sync()`` is
-how gradient accumulation skips that. In 1F1B the forwards and backwards of different
-micro-batches interleave (stage 0 runs F3 before B1 and B2), so no single forward can be marked
-"the last one" without DDP reducing during the backward of an *earlier* micro-batch and then
-seeing the same parameters become ready again. So the whole schedule runs under ``no_sync()``
-(gradients accumulate locally) and :func:`finalize_gradients` then averages the accumulated
-gradients over ``state.dp_group`` with one flat all-reduce, after the last backward, as
-Megatron's ``finalize_model_grads`` does. The price is losing DDP's overlap of that all-reduce
-with the backward; the result is exactly DDP's average.
+Communication: only the named steps of ``pp_communications.py``, each one batch of point-to-point
+operations. Gradient finalisation (tied embedding, data parallel, norm, clipping) follows the
+schedule, in ``gradients.py``.
 
-Tied embedding: the first stage holds E for the input, the last stage a copy for the logits.
-Both copies start equal (``pp_communications.sync_tied_embedding_``) and their gradients are summed over
-``state.embedding_group`` before the optimizer step, so they stay equal.
+Tied embedding: the first stage holds E for the input, the last stage a copy for the logits;
+both start equal (``model.init_parameters``) and stay equal (``gradients.reduce_gradients``).
 """
 
 from __future__ import annotations
@@ -36,15 +28,25 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from .parallel_state import ParallelState
 from .pipeline_timeline import PipelineTimeline, theoretical_bubble
-from .pp_communications import P2PSpec, communicate, finalize_gradients
+from .pp_communications import (
+    P2PSpec,
+    recv_backward,
+    recv_forward,
+    send_backward,
+    send_backward_recv_forward,
+    send_forward,
+    send_forward_recv_backward,
+)
 
-#: step(x, i): stage forward of micro-batch i. x is the received (B, T, H) activation (None on
-#: the first stage, which reads micro-batch i itself); returns the (B, T, H) output, or on the
+#: step(x, i): stage forward of micro-batch i. x is the received (b, T, H) activation (None on
+#: the first stage, which reads micro-batch i itself); returns the (b, T, H) output, or on the
 #: last stage the scalar loss of micro-batch i (a mean over its tokens).
 StageStep = Callable[[torch.Tensor | None, int], torch.Tensor]
 
@@ -98,15 +100,14 @@ def run_gpipe(
     losses: list[torch.Tensor] = []
     saved = []
     for i in range(m):
-        x, _ = communicate(state, spec, recv_prev=True)
+        x = recv_forward(state, spec)
         y = _forward(step, x, i, scale, losses, state, timeline)
-        communicate(state, spec, send_next=y)
+        send_forward(y, state, spec)
         saved.append((x, y))
     for i in range(m):
-        _, dy = communicate(state, spec, recv_next=True)
+        dy = recv_backward(state, spec)
         x, y = saved[i]
-        dx = _backward(x, y, dy, i, timeline)
-        communicate(state, spec, send_prev=dx)
+        send_backward(_backward(x, y, dy, i, timeline), state, spec)
         saved[i] = None  # free micro-batch i's activations
     return losses
 
@@ -126,24 +127,23 @@ def run_1f1b(
     losses: list[torch.Tensor] = []
     saved: deque = deque()
     for i in range(warmup):
-        x, _ = communicate(state, spec, recv_prev=True)
+        x = recv_forward(state, spec)
         y = _forward(step, x, i, scale, losses, state, timeline)
-        communicate(state, spec, send_next=y)
+        send_forward(y, state, spec)
         saved.append((x, y))
-    x = communicate(state, spec, recv_prev=True)[0] if steady else None
-    for j in range(steady):
+    x = recv_forward(state, spec) if steady else None
+    for j in range(steady):  # F_{w+j}, then B_j
         y = _forward(step, x, warmup + j, scale, losses, state, timeline)
-        _, dy = communicate(state, spec, send_next=y, recv_next=True)  # F_{w+j} out, dB_j in
+        dy = send_forward_recv_backward(y, state, spec)
         saved.append((x, y))
-        x_b, y_b = saved.popleft()
-        dx = _backward(x_b, y_b, dy, j, timeline)
-        last = j == steady - 1
-        x, _ = communicate(state, spec, send_prev=dx, recv_prev=not last)
-    for i in range(steady, m):
-        _, dy = communicate(state, spec, recv_next=True)
-        x_b, y_b = saved.popleft()
-        dx = _backward(x_b, y_b, dy, i, timeline)
-        communicate(state, spec, send_prev=dx)
+        dx = _backward(*saved.popleft(), dy, j, timeline)
+        if j < steady - 1:
+            x = send_backward_recv_forward(dx, state, spec)
+        else:
+            send_backward(dx, state, spec)
+    for i in range(steady, m):  # cool-down
+        dy = recv_backward(state, spec)
+        send_backward(_backward(*saved.popleft(), dy, i, timeline), state, spec)
     return losses
 
 
@@ -155,25 +155,21 @@ def forward_backward_pipeline(
     spec: P2PSpec,
     schedule: str = "1f1b",
     timeline: PipelineTimeline | None = None,
-    no_sync: Callable[[], AbstractContextManager] | None = None,
     loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """Run one batch through this rank's stage; gradients accumulate in ``.grad``.
 
     Back-propagates ``loss_i x loss_scale / m`` per micro-batch (``loss_scale``: fp16's scale).
     Returns the m per-micro-batch losses (detached, unscaled) on the last stage, ``[]``
-    elsewhere. ``no_sync`` is DDP's ``model.no_sync`` (see the module docstring); call
-    :func:`finalize_gradients` afterwards.
+    elsewhere. Finalise the gradients afterwards (``gradients.finalize_gradients``).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"--pipeline-schedule {schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
+    check_schedule(schedule)
     if num_microbatches < 1:
         raise ValueError(f"the pipeline needs >= 1 micro-batch per step, got {num_microbatches}")
     run = run_gpipe if schedule == "gpipe" else run_1f1b
     if timeline is not None:
         timeline.start_step(schedule, num_microbatches)
-    with no_sync() if no_sync is not None else nullcontext():
-        return run(step, num_microbatches, state, spec, timeline, loss_scale)
+    return run(step, num_microbatches, state, spec, timeline, loss_scale)
 
 
 @torch.no_grad()
@@ -183,12 +179,16 @@ def forward_only_pipeline(
     """Evaluation: forwards only, each sent on at once; the losses on the last stage."""
     losses: list[torch.Tensor] = []
     for i in range(num_microbatches):
-        x, _ = communicate(state, spec, recv_prev=True)
-        y = step(x, i)
+        y = step(recv_forward(state, spec), i)
         if state.is_last_stage:
             losses.append(y.detach())
-        communicate(state, spec, send_next=y)
+        send_forward(y, state, spec)
     return losses
+
+
+def check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--pipeline-schedule {schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
 
 
 def describe(schedule: str, p: int, m: int) -> str:
@@ -199,22 +199,34 @@ def describe(schedule: str, p: int, m: int) -> str:
     )
 
 
-def make_forward_backward(
-    state: ParallelState, spec: P2PSpec, *, schedule: str = "1f1b", timeline: PipelineTimeline | None = None
-) -> Callable[..., torch.Tensor]:
-    """A drop-in for ``training.forward_backward`` when pp > 1, for a stage model with
-    ``set_input_tensor(x)``, ``output_embedding()`` and ``forward(tokens, labels)`` returning
-    per-token losses (B, T) on the last stage and hidden states (B, T, H) elsewhere.
+@dataclass
+class PipelineForwardBackward:
+    """``training.forward_backward`` for pp > 1: the same call, run through GPipe or 1F1B.
 
-    The returned function takes (model, batches, *, loss_scale, autocast, forward_only), runs the
-    schedule, then :func:`finalize_gradients` (tied embedding, then data parallel: ``model`` may
-    be DDP, whose reduction is switched off by ``no_sync``), and returns the mean micro-batch
-    loss on the last stage (zero elsewhere; ``training.reduce_loss`` broadcasts it).
+    For a stage model with ``set_input_tensor(x)`` and ``forward(tokens, labels)`` returning
+    per-token losses (b, T) on the last stage and hidden states (b, T, H) elsewhere. Returns the
+    mean micro-batch loss on the last stage (zero elsewhere; ``training.reduce_loss``
+    broadcasts it).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"--pipeline-schedule {schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
 
-    def forward_backward(
+    state: ParallelState
+    spec: P2PSpec
+    schedule: str = "1f1b"
+    timeline: PipelineTimeline | None = None
+
+    def __post_init__(self) -> None:
+        check_schedule(self.schedule)
+
+    def _step(self, model, batches, autocast, x: torch.Tensor | None, i: int) -> torch.Tensor:
+        """Stage forward of micro-batch i: a scalar loss on the last stage, else (b, T, H)."""
+        model.set_input_tensor(x)
+        tokens, labels = batches[i]
+        with autocast():
+            out = model(tokens, labels)
+        return out.float().mean() if self.state.is_last_stage else out
+
+    def __call__(
+        self,
         model: torch.nn.Module,
         batches: list,
         *,
@@ -222,34 +234,15 @@ def make_forward_backward(
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         forward_only: bool = False,
     ) -> torch.Tensor:
-        module = getattr(model, "module", model)  # under DDP
-
-        def step(x: torch.Tensor | None, i: int) -> torch.Tensor:
-            module.set_input_tensor(x)
-            tokens, labels = batches[i]
-            with autocast():
-                out = model(tokens, labels)
-            return out.float().mean() if state.is_last_stage else out  # (B, T) loss or (B, T, H)
-
-        m = len(batches)
+        step = partial(self._step, model, batches, autocast)
+        kw = dict(num_microbatches=len(batches), state=self.state, spec=self.spec)
         if forward_only:
-            losses = forward_only_pipeline(step, num_microbatches=m, state=state, spec=spec)
+            losses = forward_only_pipeline(step, **kw)
         else:
             losses = forward_backward_pipeline(
-                step,
-                num_microbatches=m,
-                state=state,
-                spec=spec,
-                schedule=schedule,
-                timeline=timeline,
-                loss_scale=loss_scale,
-                no_sync=getattr(model, "no_sync", None),
+                step, **kw, schedule=self.schedule, timeline=self.timeline, loss_scale=loss_scale
             )
-            tied = module.output_embedding() if state.is_first_stage or state.is_last_stage else None
-            finalize_gradients(list(module.parameters()), tied, state)
-        module.set_input_tensor(None)
+        model.set_input_tensor(None)
         if losses:
             return torch.stack(losses).float().mean()
-        return torch.zeros((), dtype=torch.float32, device=spec.device)
-
-    return forward_backward
+        return torch.zeros((), dtype=torch.float32, device=self.spec.device)

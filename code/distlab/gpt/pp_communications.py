@@ -1,17 +1,29 @@
-"""Communication of pipeline parallelism: activations between stages, and gradient finalisation.
+"""Point-to-point communication of pipeline parallelism: named steps over one batched primitive.
 
-* :func:`communicate`: one stage's sends and receives of a step, posted together, with a timeout.
-* The tied embedding ``E`` lives on the first stage (input) and the last stage (logits):
-  :func:`sync_tied_embedding_` makes both copies equal once, :func:`allreduce_tied_embedding_grad`
-  sums ``dE = dE_first + dE_last`` on both, so they stay equal.
-* :func:`allreduce_data_parallel_grads` averages the accumulated gradients over ``dp_group`` with
-  one flat all-reduce (what DDP would do, after the whole schedule; see ``pipeline_parallel``).
+Stage ``s`` receives its input x (b, T, H) from ``s - 1`` and sends its output y to ``s + 1``;
+in backward it receives dy from ``s + 1`` and sends dx to ``s - 1``. The schedules
+(``pipeline_parallel.py``) call only these steps; a stage without that neighbour does nothing
+and receives ``None``::
+
+    recv_forward()                   x  <- s - 1
+    send_forward(y)                  y  -> s + 1
+    recv_backward()                  dy <- s + 1
+    send_backward(dx)                dx -> s - 1
+    send_forward_recv_backward(y)    y  -> s + 1  and  dy <- s + 1     (1F1B steady state)
+    send_backward_recv_forward(dx)   dx -> s - 1  and  x  <- s - 1     (1F1B steady state)
+
+Why one batch (:func:`_exchange`): in 1F1B's steady state stage ``s`` sends y to ``s + 1`` and
+receives dy from it while ``s + 1`` sends dx to ``s`` and receives the next x from it. Posted one
+by one as irecv-then-isend on both sides, NCCL runs a pair's operations in order on one stream:
+each rank's receive waits for the other's send, queued behind the other's receive, forever.
+``dist.batch_isend_irecv`` posts the list of ``dist.P2POp`` as one group (``ncclGroupStart/End``),
+so both directions progress together. gloo would tolerate either order; the code is written as
+NCCL needs it, and ``tests/test_gpt_pipeline.py`` checks the batches that are posted.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +34,7 @@ from .parallel_state import ParallelState
 
 @dataclass(frozen=True)
 class P2PSpec:
-    """What travels between stages: one (B, T, H) activation or gradient per micro-batch."""
+    """What travels between stages: one (b, T, H) activation or gradient per micro-batch."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -30,94 +42,77 @@ class P2PSpec:
     timeout_s: float = 300.0
 
 
-def communicate(
+def _outgoing(tensor: torch.Tensor, state: ParallelState, spec: P2PSpec) -> torch.Tensor:
+    """The tensor as it travels: ``spec.dtype`` (autocast may leave half precision), contiguous."""
+    if tuple(tensor.shape) != tuple(spec.shape):
+        raise ValueError(
+            f"pipeline stage {state.pp_rank} sends shape {tuple(tensor.shape)} but the schedule "
+            f"expects {tuple(spec.shape)} (micro-batch, sequence, hidden)"
+        )
+    return tensor.detach().to(spec.dtype).contiguous()
+
+
+def _exchange(
     state: ParallelState,
     spec: P2PSpec,
-    *,
-    send_next: torch.Tensor | None = None,
-    send_prev: torch.Tensor | None = None,
-    recv_prev: bool = False,
-    recv_next: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Post every send and receive at once (so neighbours never wait on each other), then wait.
+    sends: list[tuple[torch.Tensor, int]],
+    recv_from: list[int],
+) -> list[torch.Tensor]:
+    """Post every isend (tensor, peer stage) and irecv (peer stage) of one step as ONE batch, wait.
 
-    Returns (tensor from the previous stage, tensor from the next stage). Peers are global ranks
-    of this rank's pipeline group; a stage without that neighbour skips the operation.
+    Returns the received tensors in the order of ``recv_from``.
     """
-    ops: list[tuple[Callable, torch.Tensor, int]] = []
-    from_prev = from_next = None
-    if recv_prev and not state.is_first_stage:
-        from_prev = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
-        ops.append((dist.irecv, from_prev, state.stage_rank(state.pp_rank - 1)))
-    if recv_next and not state.is_last_stage:
-        from_next = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
-        ops.append((dist.irecv, from_next, state.stage_rank(state.pp_rank + 1)))
-    for tensor, peer_stage, ok in (
-        (send_next, state.pp_rank + 1, not state.is_last_stage),
-        (send_prev, state.pp_rank - 1, not state.is_first_stage),
-    ):
-        if tensor is not None and ok:
-            tensor = tensor.to(spec.dtype)  # autocast may leave a half-precision activation
-            if tuple(tensor.shape) != tuple(spec.shape):
-                raise ValueError(
-                    f"pipeline stage {state.pp_rank} sends shape {tuple(tensor.shape)} but "
-                    f"the schedule expects {tuple(spec.shape)} (micro-batch, sequence, hidden)"
-                )
-            ops.append((dist.isend, tensor.detach().contiguous(), state.stage_rank(peer_stage)))
-    works = [op(t, peer, group=state.pp_group) for op, t, peer in ops]
-    for w in works:
-        w.wait(timeout=datetime.timedelta(seconds=spec.timeout_s))
-    return from_prev, from_next
+    received = [torch.empty(spec.shape, dtype=spec.dtype, device=spec.device) for _ in recv_from]
+    ops = [
+        dist.P2POp(dist.isend, _outgoing(t, state, spec), state.stage_rank(s), group=state.pp_group)
+        for t, s in sends
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, buf, state.stage_rank(s), group=state.pp_group)
+        for buf, s in zip(received, recv_from, strict=True)
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait(timeout=datetime.timedelta(seconds=spec.timeout_s))
+    return received
 
 
-@torch.no_grad()
-def sync_tied_embedding_(weight: torch.Tensor | None, state: ParallelState) -> None:
-    """Copy the first stage's E onto the last stage's copy (call once, after initialisation)."""
-    if state.pp == 1 or state.embedding_group is None:
-        return
-    if weight is None:
-        raise ValueError(f"stage {state.pp_rank} is in the embedding group but passed no embedding weight")
-    dist.broadcast(weight, src=state.stage_rank(0), group=state.embedding_group)
+def recv_forward(state: ParallelState, spec: P2PSpec) -> torch.Tensor | None:
+    """x from the previous stage (None on the first stage, which reads tokens)."""
+    if state.is_first_stage:
+        return None
+    return _exchange(state, spec, [], [state.pp_rank - 1])[0]
 
 
-@torch.no_grad()
-def allreduce_tied_embedding_grad(weight: torch.Tensor | None, state: ParallelState) -> None:
-    """dE = dE_first + dE_last on both the first and the last stage (E is one parameter, used twice)."""
-    if state.pp == 1 or state.embedding_group is None:
-        return
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=state.embedding_group)
+def send_forward(y: torch.Tensor, state: ParallelState, spec: P2PSpec) -> None:
+    """y to the next stage (nothing on the last stage, whose output is the loss)."""
+    if not state.is_last_stage:
+        _exchange(state, spec, [(y, state.pp_rank + 1)], [])
 
 
-@torch.no_grad()
-def allreduce_data_parallel_grads(params: Iterable[torch.nn.Parameter], state: ParallelState) -> None:
-    """grad = mean over the dp replicas of grad: one flat all-reduce over ``state.dp_group``."""
-    if state.dp == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=state.dp_group)
-    flat /= state.dp
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+def recv_backward(state: ParallelState, spec: P2PSpec) -> torch.Tensor | None:
+    """dy from the next stage (None on the last stage: its output is the loss)."""
+    if state.is_last_stage:
+        return None
+    return _exchange(state, spec, [], [state.pp_rank + 1])[0]
 
 
-def finalize_gradients(
-    params: Iterable[torch.nn.Parameter],
-    tied_weight: torch.Tensor | None,
-    state: ParallelState,
-    *,
-    data_parallel: bool = True,
-) -> None:
-    """After the schedule: sum the tied embedding's two gradients, then average over dp.
+def send_backward(dx: torch.Tensor | None, state: ParallelState, spec: P2PSpec) -> None:
+    """dx to the previous stage (nothing on the first stage)."""
+    if not state.is_first_stage:
+        _exchange(state, spec, [(dx, state.pp_rank - 1)], [])
 
-    Pass ``data_parallel=False`` when DDP already averaged (pp == 1, synchronising backward).
-    """
-    allreduce_tied_embedding_grad(tied_weight, state)
-    if data_parallel:
-        allreduce_data_parallel_grads(params, state)
+
+def send_forward_recv_backward(y: torch.Tensor, state: ParallelState, spec: P2PSpec) -> torch.Tensor | None:
+    """y to the next stage and dy from it, in one batch (None on the last stage)."""
+    if state.is_last_stage:
+        return None
+    return _exchange(state, spec, [(y, state.pp_rank + 1)], [state.pp_rank + 1])[0]
+
+
+def send_backward_recv_forward(
+    dx: torch.Tensor | None, state: ParallelState, spec: P2PSpec
+) -> torch.Tensor | None:
+    """dx to the previous stage and the next x from it, in one batch (None on the first stage)."""
+    if state.is_first_stage:
+        return None
+    return _exchange(state, spec, [(dx, state.pp_rank - 1)], [state.pp_rank - 1])[0]

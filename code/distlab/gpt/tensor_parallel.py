@@ -1,22 +1,24 @@
 """Megatron-style tensor parallelism: linear layers, embedding and cross-entropy split over ranks.
 
-Notation: ``p`` ranks in the tensor-parallel group, this rank is ``r``; ``B`` batch, ``T``
-sequence, ``H`` hidden, ``F`` MLP width, ``V`` (padded) vocabulary; a ``_p`` suffix is one rank's
-slice (``F_p = F / p``). The MLP is ``Y = GeLU(X A) B`` with ``A`` column-parallel and ``B``
-row-parallel, so the only communication is one ``f`` before ``A`` and one ``g`` after ``B``
-(see :mod:`distlab.gpt.tp_communications`). Attention splits its heads the same way: the fused
-qkv projection is column-parallel (``stride=3`` keeps q, k and v of the same heads together)
-and the output projection is row-parallel.
+Notation (``distlab.gpt``'s legend): ``p`` ranks in the tensor-parallel group (``tp``), this
+rank is ``r``; ``b`` micro-batch size, ``T`` sequence, ``H`` hidden, ``F`` MLP width, ``V``
+padded vocabulary; a ``_p`` suffix is one rank's slice (``F_p = F / p``). The MLP is
+``Y = GeLU(X A) C`` with ``A`` column-parallel and ``C`` row-parallel, so the only
+communication is one ``f`` before ``A`` and one ``g`` after ``C`` (see
+:mod:`distlab.gpt.tp_communications`). Attention splits its heads the same way: the fused qkv
+projection is column-parallel (the model orders its output features by head, so a contiguous
+slice of rows holds whole heads) and the output projection is row-parallel.
 
-Every layer builds its weight as the unsharded layer would (the *master* weight, drawn from the
-same RNG on every rank) and keeps its slice, so a model initialised from one seed is the same
-model whatever the layout. ``load_full_`` copies the slice of a given full weight instead.
+With ``group=None`` (or one rank) every layer is the plain layer: the communication operators
+are identities, so a tp = 1 run goes through the same code.
+
+Weights are allocated, not initialised: :func:`shard` cuts an unsharded tensor, and each
+layer's ``load_full_`` keeps this rank's slice of it. ``GPTModel``'s initialiser draws every
+unsharded tensor from the seed and the parameter's name, so every layout starts from the same
+model; the tests load the weights of a plain ``nn.Linear`` or ``nn.Embedding`` the same way.
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,28 +34,22 @@ from .tp_communications import (
     scatter_to_tensor_parallel,
 )
 
-InitMethod = Callable[[torch.Tensor], object]
 
+def shard(full: torch.Tensor, dim: int, p: int, r: int, stride: int = 1) -> torch.Tensor:
+    """Rank ``r``'s part of ``full`` along ``dim`` for ``p`` ranks: ``stride`` blocks, each cut in ``p``.
 
-def _linear_default_init(weight: torch.Tensor) -> None:
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # what nn.Linear does
+    ``stride=1``: the r-th of p contiguous chunks. ``stride=3`` on a fused ``[q; k; v]`` weight
+    (dim 0) gives rank r ``[q_r; k_r; v_r]``. (N along dim) -> (N / p along dim).
+    """
+    blocks = full.unflatten(dim, (stride, full.shape[dim] // stride))  # (..., stride, N/stride, ...)
+    return blocks.chunk(p, dim=dim + 1)[r].flatten(dim, dim + 1)  # (..., N/p, ...)
 
 
 def _mark_partitioned(param: nn.Parameter, dim: int, stride: int = 1) -> None:
-    """Tag a sharded parameter as Megatron does: which dimension is split (for init and checkpoints)."""
-    param.tensor_model_parallel = True
+    """Tag a sharded parameter as Megatron does: which dimension is split (read by the initialiser
+    and by the gradient norm, which counts a replicated parameter once)."""
     param.partition_dim = dim
     param.partition_stride = stride
-
-
-def shard_rows(full: torch.Tensor, p: int, r: int, stride: int = 1) -> torch.Tensor:
-    """Rank ``r``'s rows of ``full`` (N, ...) for ``p`` ranks: ``stride`` blocks, each split in ``p``.
-
-    ``stride=3`` on a fused ``[q; k; v]`` weight gives rank r ``[q_r; k_r; v_r]``.
-    """
-    blocks = full.reshape(stride, full.shape[0] // stride, *full.shape[1:])  # (s, N/s, ...)
-    mine = blocks.chunk(p, dim=1)[r]  # (s, N/(s p), ...)
-    return mine.reshape(-1, *full.shape[1:])  # (N/p, ...)
 
 
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
@@ -72,28 +68,15 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) 
 
 
 def vocab_padding_message(vocab_size: int, padded: int) -> str:
-    """Megatron's log line for the padding."""
-    return (
-        f" > padded vocab (size: {vocab_size}) with {padded - vocab_size} dummy tokens (new size: {padded})"
-    )
-
-
-@torch.no_grad()
-def _reset_from_master(layer: nn.Module, init_method: InitMethod) -> None:
-    """Draw the unsharded weight (out, in) from the RNG (the same on every layout), bias 0, and
-    let ``layer.load_full_`` keep this rank's part."""
-    full = torch.empty(
-        layer.out_features, layer.in_features, device=layer.weight.device, dtype=layer.weight.dtype
-    )
-    init_method(full)
-    layer.load_full_(full, torch.zeros(layer.out_features) if layer.bias is not None else None)
+    """The start-up line that reports the padding."""
+    return f"> padded vocab (size: {vocab_size}) with {padded - vocab_size} dummy tokens (new size: {padded})"
 
 
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b, A = [A_1, ..., A_p] split by columns; rank r computes Y_r = X A_r + b_r.
 
-    The input X (B, T, H_in) is replicated; ``f`` (identity forward, all-reduce backward) sums
-    the p partial input gradients. The output is (B, T, H_out_p), or the full (B, T, H_out)
+    The input X (b, T, H_in) is replicated; ``f`` (identity forward, all-reduce backward) sums
+    the p partial input gradients. The output is (b, T, H_out_p), or the full (b, T, H_out)
     with ``gather_output=True``. PyTorch stores ``A^T``, so "columns of A" are rows of ``weight``.
     """
 
@@ -106,7 +89,6 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         gather_output: bool = False,
         stride: int = 1,
-        init_method: InitMethod = _linear_default_init,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -124,24 +106,18 @@ class ColumnParallelLinear(nn.Module):
         _mark_partitioned(self.weight, 0, stride)
         if self.bias is not None:
             _mark_partitioned(self.bias, 0, stride)
-        self.reset_parameters(init_method)
-
-    @torch.no_grad()
-    def reset_parameters(self, init_method: InitMethod = _linear_default_init) -> None:
-        """Initialise the master weight (out, in) from the RNG, keep this rank's rows; bias 0."""
-        _reset_from_master(self, init_method)
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's slice of an unsharded weight (out, in) and bias (out,)."""
         p, r = group_size(self.group), group_rank(self.group)
-        self.weight.copy_(shard_rows(weight, p, r, self.stride))
+        self.weight.copy_(shard(weight, 0, p, r, self.stride))
         if self.bias is not None and bias is not None:
-            self.bias.copy_(shard_rows(bias, p, r, self.stride))
+            self.bias.copy_(shard(bias, 0, p, r, self.stride))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel(x, self.group)  # (B, T, H_in), f
-        y = F.linear(x, self.weight, self.bias)  # (B, T, H_out_p)
+        x = copy_to_tensor_parallel(x, self.group)  # (b, T, H_in), f
+        y = F.linear(x, self.weight, self.bias)  # (b, T, H_out_p)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -154,8 +130,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = XA + b, A = [A_1; ...; A_p] split by rows, X = [X_1, ..., X_p]; Y = sum_r X_r A_r + b.
 
-    The input is (B, T, H_in_p), already split (the output of a ColumnParallelLinear), or the
-    full (B, T, H_in) with ``input_is_parallel=False``. ``g`` (all-reduce forward, identity
+    The input is (b, T, H_in_p), already split (the output of a ColumnParallelLinear), or the
+    full (b, T, H_in) with ``input_is_parallel=False``. ``g`` (all-reduce forward, identity
     backward) sums the partial products; the bias is added once, after the sum, and is
     replicated (its gradient is the same on every rank).
     """
@@ -168,7 +144,6 @@ class RowParallelLinear(nn.Module):
         group: dist.ProcessGroup | None,
         bias: bool = True,
         input_is_parallel: bool = True,
-        init_method: InitMethod = _linear_default_init,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -183,25 +158,19 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // p, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         _mark_partitioned(self.weight, 1)
-        self.reset_parameters(init_method)
-
-    @torch.no_grad()
-    def reset_parameters(self, init_method: InitMethod = _linear_default_init) -> None:
-        """Initialise the master weight (out, in) from the RNG, keep this rank's columns; bias 0."""
-        _reset_from_master(self, init_method)
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's columns of an unsharded weight (out, in); the bias is whole."""
         p, r = group_size(self.group), group_rank(self.group)
-        self.weight.copy_(weight.chunk(p, dim=1)[r])
+        self.weight.copy_(shard(weight, 1, p, r))
         if self.bias is not None and bias is not None:
             self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel(x, self.group)  # (B, T, H_in) -> (B, T, H_in_p)
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)  # (B, T, H_out), g
+            x = scatter_to_tensor_parallel(x, self.group)  # (b, T, H_in) -> (b, T, H_in_p)
+        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)  # (b, T, H_out), g
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -222,7 +191,6 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         group: dist.ProcessGroup | None,
-        init_method: InitMethod = nn.init.normal_,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -241,26 +209,18 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)
         )
         _mark_partitioned(self.weight, 0)
-        self.reset_parameters(init_method)
-
-    @torch.no_grad()
-    def reset_parameters(self, init_method: InitMethod = nn.init.normal_) -> None:
-        """Initialise the master table (V, H) from the RNG, keep this rank's rows."""
-        full = torch.empty(
-            self.num_embeddings, self.embedding_dim, device=self.weight.device, dtype=self.weight.dtype
-        )
-        init_method(full)
-        self.load_full_(full)
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor) -> None:
         """Copy this rank's rows of an unsharded table (V, H)."""
-        self.weight.copy_(weight[self.vocab_start : self.vocab_end])
+        self.weight.copy_(shard(weight, 0, group_size(self.group), group_rank(self.group)))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)  # (B, T)
-        local = (tokens - self.vocab_start).masked_fill(outside, 0)  # (B, T), valid row indices
-        y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, H)
+        if group_size(self.group) == 1:
+            return F.embedding(tokens, self.weight)  # (b, T, H): the whole table is here
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)  # (b, T)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)  # (b, T), valid row indices
+        y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (b, T, H)
         return reduce_from_tensor_parallel(y, self.group)
 
     def extra_repr(self) -> str:
@@ -272,7 +232,7 @@ def parallel_lm_logits(
 ) -> torch.Tensor:
     """logits_r = h E_r^T: this rank's vocabulary slice of the logits (tied output layer).
 
-    hidden (B, T, H) replicated, weight (V_p, H) this rank's embedding rows -> (B, T, V_p).
+    hidden (b, T, H) replicated, weight (V_p, H) this rank's embedding rows -> (b, T, V_p).
     """
     return F.linear(copy_to_tensor_parallel(hidden, group), weight)
 
@@ -315,8 +275,9 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """loss_t = log sum_v exp(z_tv) - z_t,target, with z split by vocabulary over the group.
 
-    Three all-reduces of (N,) vectors (max, the target's logit, the sum of exponentials) replace
-    gathering the (N, V) logits. logits (..., V_p), target (...) -> per-token loss (...), fp32.
+    Two all-reduces of (N,) vectors (the max, then the target's logit and the sum of exponentials
+    stacked into one) replace gathering the (N, V) logits; none when the group has one rank.
+    logits (..., V_p), target (...) -> per-token loss (...), fp32.
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(

@@ -1,18 +1,20 @@
-"""One training step and one evaluation, for a data-parallel group of model replicas.
+"""One training step and one evaluation, for every (tp, pp, dp) layout.
 
-A step consumes one global batch of ``G = m x dp x M`` samples (micro batch ``m``, accumulation
-steps ``M``). Data-parallel rank ``r`` takes, for micro-step ``k``, the samples::
+A step consumes one global batch of ``B = b x dp x m`` samples (micro-batch size ``b``, ``m``
+micro-batches per rank). Data-parallel rank ``r`` takes, for micro-batch ``k``, the samples::
 
-    consumed + k m dp + r m  ...  consumed + k m dp + (r + 1) m - 1
+    consumed + k b dp + r b  ...  consumed + k b dp + (r + 1) b - 1
 
-so the union over ranks and micro-steps is the same global batch for every layout. Each
-micro-batch loss (mean over its ``m x s`` tokens) is back-propagated as ``loss_k x S / M`` (``S``
-the fp16 loss scale, else 1); DDP averages over ``dp`` on the last micro-step only (``no_sync``
-before), so the gradient is the gradient of the global batch's mean loss::
+so the union over ranks and micro-batches is the same global batch for every layout. Each
+micro-batch loss (mean over its ``b x T`` tokens) is back-propagated as ``loss_k x S / m`` (``S``
+the fp16 loss scale, else 1), gradients accumulate in ``.grad``, and ``gradients.py`` averages
+them over ``dp`` once, after the last backward, so the gradient is the gradient of the global
+batch's mean loss::
 
-    g = (1 / dp) sum_r (1 / M) sum_k grad(loss_{r,k})
+    g = (1 / dp) sum_r (1 / m) sum_k grad(loss_{r,k})
 
-``forward_backward`` is the piece part 2 replaces by GPipe / 1F1B schedules when pp > 1.
+:func:`forward_backward` runs the micro-batches one after the other (pp = 1);
+``pipeline_parallel.PipelineForwardBackward`` is the same call through GPipe or 1F1B (pp > 1).
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from distlab.gpt.gpt_dataset import GPTDataset
-from distlab.gpt.loss_scaler import DynamicLossScaler, unscale_and_check
-from distlab.gpt.optimizer import clip_gradients, grad_norm
+from distlab.gpt.gradients import finalize_gradients
+from distlab.gpt.loss_scaler import DynamicLossScaler
+from distlab.gpt.model import GPTModel
 from distlab.gpt.parallel_state import ParallelState
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]  # tokens (m, s), labels (m, s)
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # tokens (b, T), labels (b, T)
+AutocastFn = Callable[[], contextlib.AbstractContextManager]
 
 
 def micro_batches(
@@ -40,43 +43,40 @@ def micro_batches(
     *,
     micro_batch_size: int,
     num_micro_batches: int,
-    dp: int,
-    dp_rank: int,
+    state: ParallelState,
     device: torch.device,
 ) -> list[MicroBatch]:
-    """This rank's ``M`` micro-batches of the global batch starting at sample ``consumed``."""
+    """This rank's ``m`` micro-batches of the global batch starting at sample ``consumed``."""
+    b, dp = micro_batch_size, state.dp
     out = []
     for k in range(num_micro_batches):
-        start = consumed + k * micro_batch_size * dp + dp_rank * micro_batch_size
-        tokens, labels = dataset.batch(range(start, start + micro_batch_size))
+        start = consumed + k * b * dp + state.dp_rank * b
+        tokens, labels = dataset.batch(range(start, start + b))
         out.append((tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True)))
     return out
 
 
 def forward_backward(
-    model: nn.Module,
+    model: GPTModel,
     batches: list[MicroBatch],
     *,
     loss_scale: float = 1.0,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    autocast: AutocastFn = contextlib.nullcontext,
     forward_only: bool = False,
 ) -> torch.Tensor:
-    """Forward (+ backward unless ``forward_only``) over the step's micro-batches.
+    """Forward (+ backward unless ``forward_only``) over the step's micro-batches (pp = 1).
 
-    Returns the mean micro-batch loss, a detached fp32 scalar. Gradients accumulate in ``.grad``;
-    with DDP they are all-reduced once, during the last micro-batch's backward.
+    Returns the mean micro-batch loss, a detached fp32 scalar; gradients accumulate in ``.grad``.
     """
     total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
-    M = len(batches)
-    for k, (tokens, labels) in enumerate(batches):
-        sync = forward_only or k == M - 1 or not hasattr(model, "no_sync")
-        with contextlib.nullcontext() if sync else model.no_sync():
-            with autocast():
-                loss = model(tokens, labels).mean()  # per-token (m, s) -> scalar
-            if not forward_only:
-                (loss * (loss_scale / M)).backward()
+    m = len(batches)
+    for tokens, labels in batches:
+        with autocast():
+            loss = model(tokens, labels).mean()  # per-token (b, T) -> scalar
+        if not forward_only:
+            (loss * (loss_scale / m)).backward()
         total += loss.detach().float()
-    return total / M
+    return total / m
 
 
 @dataclass
@@ -100,40 +100,39 @@ def reduce_loss(loss: torch.Tensor, state: ParallelState) -> float:
 
 
 def train_step(
-    model: nn.Module,
+    model: GPTModel,
     optimizer: torch.optim.Optimizer,
     batches: list[MicroBatch],
     *,
     state: ParallelState,
     clip_grad: float,
     scaler: DynamicLossScaler | None,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    autocast: AutocastFn = contextlib.nullcontext,
     forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
 ) -> StepResult:
-    """Zero grads, forward/backward all micro-batches, unscale + overflow check (fp16), clip, step."""
+    """Zero grads, forward/backward every micro-batch, finalise the gradients, step.
+
+    The step is skipped after an fp16 overflow (the scaler backs off) or a non-finite norm.
+    """
     optimizer.zero_grad(set_to_none=True)
-    scale = scaler.scale if scaler is not None else 1.0
-    loss_t = forward_backward_fn(model, batches, loss_scale=scale, autocast=autocast)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    loss = reduce_loss(loss_t, state)
+    scale = scaler.scale if scaler is not None else None
+    loss = reduce_loss(forward_backward_fn(model, batches, loss_scale=scale or 1.0, autocast=autocast), state)
     nan = not math.isfinite(loss)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = finalize_gradients(params, model.tied_embedding(), state, loss_scale=scale, clip_grad=clip_grad)
     if scaler is not None:
-        found_inf = unscale_and_check(params, scale)
-        scaler.update(found_inf)
-        if found_inf:
-            return StepResult(loss, None, skipped=True, nan=nan)
-    norm = grad_norm(params, state)
-    norm_f = float(norm)
-    if not math.isfinite(norm_f):
-        return StepResult(loss, norm_f, skipped=scaler is None, nan=True)
-    clip_gradients(params, clip_grad, norm)
+        scaler.update(grads.overflow)
+    if grads.overflow:
+        return StepResult(loss, None, skipped=True, nan=nan)
+    if not math.isfinite(grads.norm):
+        return StepResult(loss, grads.norm, skipped=scaler is None, nan=True)
     optimizer.step()
-    return StepResult(loss, norm_f, skipped=False, nan=nan)
+    return StepResult(loss, grads.norm, skipped=False, nan=nan)
 
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module,
+    model: GPTModel,
     dataset: GPTDataset,
     first_sample: int,
     *,
@@ -143,7 +142,7 @@ def evaluate(
     num_micro_batches: int,
     state: ParallelState,
     device: torch.device,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    autocast: AutocastFn = contextlib.nullcontext,
     forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
 ) -> float:
     """Mean loss over ``eval_iters`` global batches from sample ``first_sample`` of ``dataset``."""
@@ -156,12 +155,10 @@ def evaluate(
             first_sample + i * global_batch_size,
             micro_batch_size=micro_batch_size,
             num_micro_batches=num_micro_batches,
-            dp=state.dp,
-            dp_rank=state.dp_rank,
+            state=state,
             device=device,
         )
-        losses.append(
-            reduce_loss(forward_backward_fn(model, batches, autocast=autocast, forward_only=True), state)
-        )
+        loss = forward_backward_fn(model, batches, autocast=autocast, forward_only=True)
+        losses.append(reduce_loss(loss, state))
     model.train(was_training)
     return sum(losses) / max(1, len(losses))
