@@ -20,10 +20,11 @@ Sizes and ops are checked, and the largest message against free memory, before a
 from __future__ import annotations
 
 import argparse
+import functools
 
 from distlab.comm import bench, launch
 from distlab.comm.collectives import parse_names
-from distlab.distributed import discover, pick_backend, pick_device, shutdown
+from distlab.distributed import discover, pick_backend, pick_device, print_on, shutdown
 
 
 def main(args: argparse.Namespace) -> None:
@@ -31,10 +32,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         nodes = max(1, ctx.world_size // max(1, ctx.env.local_world_size))
 
-        def report(line: str) -> None:  # rank 0 speaks for all (times are already the slowest rank's)
-            if ctx.is_main:
-                print(line, flush=True)
-
+        report = functools.partial(print_on, ctx.is_main)  # rank 0 speaks for all (slowest rank's times)
         report(
             f"bench {args.label}: {ctx.world_size} ranks on {nodes} node(s), backend {ctx.backend}, "
             f"sizes {bench.human(args.sizes[0])} .. {bench.human(args.sizes[-1])}, "
@@ -54,7 +52,7 @@ def main(args: argparse.Namespace) -> None:
         )
         if ctx.is_main:
             csv_path, json_path = bench.write_results(rows, args.out)
-            print(f"bench {args.label}: wrote {csv_path} and {json_path}", flush=True)
+            report(f"bench {args.label}: wrote {csv_path} and {json_path}")
     finally:
         shutdown()
 

@@ -37,7 +37,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distlab import REPO_ROOT
 from distlab.cifar import data, engine
 from distlab.cifar.model import LAYERS, STEMS, ModelSpec, build_model, param_checksum
-from distlab.distributed import DEFAULT_TIMEOUT_S, cap_cpu_threads, discover, init_distributed, shutdown
+from distlab.distributed import (
+    DEFAULT_TIMEOUT_S,
+    cap_cpu_threads,
+    discover,
+    init_distributed,
+    print_on,
+    shutdown,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -107,11 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def say(rank: int, text: str, everyone: bool = False) -> None:
-    if everyone or rank == 0:
-        print(text, flush=True)
-
-
 @record  # under torchrun, a failing rank's traceback is reported in the job's log
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
@@ -158,21 +160,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         scheduler.load_state_dict(state["scheduler"])
         start_epoch = state["epoch"]
         if state.get("world_size") != size:
-            say(
-                rank,
+            print_on(
+                rank == 0,
                 f"note: checkpoint written by {state.get('world_size')} ranks, resuming on {size}: "
                 "training goes on, but not bit-for-bit as an uninterrupted run",
             )
     host = socket.gethostname()
-    say(
-        rank,
+    print_on(
+        True,
         f"rank {rank}/{size} {host} | launcher {env.launcher} | local rank {env.local_rank}/"
         f"{env.local_world_size} | {ctx.backend} on {device} | {threads} | "
         f"init checksum {param_checksum(model):.6f}",
-        everyone=True,
     )
-    say(
-        rank,
+    print_on(
+        rank == 0,
         f"config: {spec.describe()} | per-rank batch {args.batch_size} x {size} ranks = global batch "
         f"{args.batch_size * size} | {len(train_set)} train / {len(test_set)} test images | "
         f"{data.describe(args.data_dir)}",
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     loader = engine.train_loader(train_set, batch_size=args.batch_size, seed=args.seed, workers=workers)
     test_loader = engine.eval_loader(test_set, batch_size=args.eval_batch_size, workers=workers)
     if start_epoch >= args.epochs:
-        say(rank, f"checkpoint is at epoch {start_epoch} of {args.epochs}: nothing left to train")
+        print_on(rank == 0, f"checkpoint is at epoch {start_epoch} of {args.epochs}: nothing left to train")
     records, run_start = [], time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         if not args.skip_set_epoch:
@@ -197,11 +198,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         stats = engine.train_one_epoch(model, loader, optimizer, device)
         scheduler.step()
         acc, test_loss = engine.evaluate(bare, test_loader, device)
-        say(
-            rank,
+        print_on(
+            True,
             f"rank {rank}/{size} {host} | epoch {epoch + 1}/{args.epochs} | time {stats.seconds:.2f} s | "
             f"loss {stats.loss:.4f} | acc {100 * acc:.2f}% | {stats.images / stats.seconds:.1f} img/s",
-            everyone=True,
         )
         records.append(
             {
@@ -224,15 +224,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 extra={"world_size": size},
             )
         if args.stop_after and len(records) >= args.stop_after and epoch + 1 < args.epochs:
-            say(
-                rank,
+            print_on(
+                rank == 0,
                 f"stopping after epoch {epoch + 1} (--stop-after {args.stop_after}); "
                 f"continue with --resume --checkpoint {args.checkpoint}",
             )
             break
     if records:
-        say(
-            rank,
+        print_on(
+            rank == 0,
             f"done: {len(records)} epochs in {time.perf_counter() - run_start:.2f} s on {size} ranks "
             f"({max(size // max(env.local_world_size, 1), 1)} nodes) | final acc {100 * records[-1]['acc']:.2f}%",
         )

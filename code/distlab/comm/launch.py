@@ -30,7 +30,6 @@ import socket
 import sys
 from collections.abc import Callable
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distlab.distributed import (
@@ -39,6 +38,7 @@ from distlab.distributed import (
     discover,
     free_port,
     init_distributed,
+    print_on,
     torchrun_env,
 )
 
@@ -155,16 +155,7 @@ def start(args: argparse.Namespace) -> DistContext:
 
 def say(ctx: DistContext, message: str) -> None:
     """Print one line prefixed ``[rank r/n host]`` in a single write, so ranks' lines never mix."""
-    sys.stdout.write(f"[rank {ctx.rank}/{ctx.world_size} {socket.gethostname()}] {message}\n")
-    sys.stdout.flush()
-
-
-def in_rank_order(ctx: DistContext, fn: Callable[[], None], group: dist.ProcessGroup | None = None) -> None:
-    """Call ``fn`` on rank 0, then rank 1, ... with a barrier between turns (tidier logs)."""
-    for r in range(dist.get_world_size(group)):
-        if dist.get_rank(group) == r:
-            fn()
-        dist.barrier(group=group)
+    print_on(True, f"[rank {ctx.rank}/{ctx.world_size} {socket.gethostname()}] {message}")
 
 
 def by_rank(lines: list[str]) -> list[str]:

@@ -1,1 +1,34 @@
-"""Megatron-style GPT pretraining: model, data, parallelism and training loop."""
+"""Megatron-style GPT pretraining: model, data, data / tensor / pipeline parallelism, training loop.
+
+Notation, the same in every module's docstrings and shape comments::
+
+    b    micro-batch size: samples in one forward/backward on one rank (--micro-batch-size)
+    m    micro-batches per rank and step (gradient-accumulation steps; the pipeline's m)
+    B    global batch: samples per optimizer step, B = b x dp x m (--global-batch-size)
+    T    sequence length (--seq-length)             H    hidden size (--hidden-size)
+    F    MLP width, 4H by default                   n    attention heads, of size H / n
+    V    vocabulary, padded to a multiple of --make-vocab-size-divisible-by x tp    L  layers
+    tp, pp, dp     tensor-, pipeline-, data-parallel sizes; world size = tp x pp x dp
+    p, r           size of a process group and this rank's index in it
+    F_i, B_i       in pipeline schedules: forward and backward of micro-batch i
+
+A tensor entering the model is (b, T), a hidden state (b, T, H), a logit slice (b, T, V / tp).
+
+Reading order, one idea per file:
+
+    parallel_state      the tp x pp x dp layout (Megatron's rank order) and its process groups
+    tp_communications   the f and g operators: identity one way, all-reduce the other
+    tensor_parallel     column / row-parallel linear, vocabulary-parallel embedding and loss
+    model               the GPT block by block: where f and g sit; one stage of the pipeline
+    pp_communications   named sends and receives between stages, each one batched p2p call
+    pipeline_parallel   GPipe and 1F1B: the order of forwards and backwards, the bubble
+    gradients           after the backward: tied embedding, dp all-reduce, norm, clipping
+    training            micro-batches of a global batch, one train step, evaluation
+    build               everything a run holds, built once from the arguments
+    pretrain            the training loop of pretrain_gpt.py
+
+Beside them: arguments (Megatron's command line), tokenizer, indexed_dataset and gpt_dataset
+(data), optimizer (AdamW, LR schedule), loss_scaler (fp16/bf16), checkpointing, log and flops
+(Megatron's log line, TensorBoard, MFU), memory, profiler, pipeline_timeline and pipeline_plot
+(recorded F/B spans and their Gantt chart), local_run (spawned runs for tests and notebooks).
+"""

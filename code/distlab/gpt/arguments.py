@@ -38,11 +38,11 @@ class PretrainArgs:
 
     # --- model ---
     num_layers: int = _f(None, "transformer blocks (required)")
-    hidden_size: int = _f(None, "model width h (required)")
-    num_attention_heads: int = _f(None, "attention heads; h must be divisible by it (required)")
+    hidden_size: int = _f(None, "model width H (required)")
+    num_attention_heads: int = _f(None, "attention heads; H must be divisible by it (required)")
     seq_length: int = _f(None, "tokens per sample fed to the model (required)")
     max_position_embeddings: int = _f(None, "learned positions; >= --seq-length (default: seq length)")
-    ffn_hidden_size: int = _f(None, "MLP width (default 4h)")
+    ffn_hidden_size: int = _f(None, "MLP width F (default 4H)")
     init_method_std: float = _f(0.02, "std of the normal initialisation; output layers use std/sqrt(2L)")
     hidden_dropout: float = _f(0.0, "dropout after attention and MLP (Megatron's default is 0.1)")
     attention_dropout: float = _f(0.0, "dropout on attention probabilities")
@@ -106,10 +106,6 @@ class PretrainArgs:
     save_interval: int = _f(None, "iterations between checkpoints (and one at the end)")
     profile_execution: bool = _f(False, "torch.profiler trace of two steps of rank 0 (True|False)", tf=True)
     profile_name: str = _f("profile", "run name of the trace under --tensorboard-dir")
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
 
 
 def _str2bool(text: str) -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -53,98 +53,77 @@ StageStep = Callable[[torch.Tensor | None, int], torch.Tensor]
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def _forward(
-    step: StageStep,
-    x: torch.Tensor | None,
-    i: int,
-    scale: float,
-    losses: list[torch.Tensor],
-    state: ParallelState,
-    timeline: PipelineTimeline | None,
-) -> torch.Tensor:
-    if x is not None:
-        x.requires_grad_()
-    with timeline.record("F", i) if timeline else nullcontext():
-        y = step(x, i)
-    if state.is_last_stage:
+@dataclass
+class _Stage:
+    """This rank's stage during one step: what every schedule needs."""
+
+    step: StageStep
+    state: ParallelState
+    spec: P2PSpec
+    timeline: PipelineTimeline | None
+    scale: float  # loss_scale / m: the batch loss is the mean over micro-batches
+    losses: list[torch.Tensor] = field(default_factory=list)  # on the last stage
+
+    def forward(self, x: torch.Tensor | None, i: int) -> torch.Tensor:
+        """F_i: (b, T, H) out, or on the last stage the scaled loss (its value kept in losses)."""
+        if x is not None:
+            x.requires_grad_()
+        with self.timeline.record("F", i) if self.timeline else nullcontext():
+            y = self.step(x, i)
+        if not self.state.is_last_stage:
+            return y
         if y.dim() != 0:
             raise ValueError(f"the last stage's step must return a scalar loss, got shape {tuple(y.shape)}")
-        losses.append(y.detach())
-        y = y * scale  # loss_scale / m: the batch loss is the mean over micro-batches
-    return y
+        self.losses.append(y.detach())
+        return y * self.scale
+
+    def backward(self, x: torch.Tensor | None, y: torch.Tensor, dy: torch.Tensor | None, i: int):
+        """B_i: back-propagate dy (None on the last stage: y is the loss); return dx."""
+        with self.timeline.record("B", i) if self.timeline else nullcontext():
+            dy = dy.to(y.dtype) if dy is not None else None  # travelled as spec.dtype
+            torch.autograd.backward(y, grad_tensors=dy)
+        return x.grad if x is not None else None
 
 
-def _backward(
-    x: torch.Tensor | None,
-    y: torch.Tensor,
-    dy: torch.Tensor | None,
-    i: int,
-    timeline: PipelineTimeline | None,
-) -> torch.Tensor | None:
-    with timeline.record("B", i) if timeline else nullcontext():
-        dy = dy.to(y.dtype) if dy is not None else None  # travelled as spec.dtype
-        torch.autograd.backward(y, grad_tensors=dy)  # dy None: y is the last stage's loss
-    return x.grad if x is not None else None
-
-
-def run_gpipe(
-    step: StageStep,
-    m: int,
-    state: ParallelState,
-    spec: P2PSpec,
-    timeline: PipelineTimeline | None = None,
-    loss_scale: float = 1.0,
-) -> list[torch.Tensor]:
-    """All m forwards, then all m backwards (in micro-batch order); losses on the last stage."""
-    scale = loss_scale / m
-    losses: list[torch.Tensor] = []
+def run_gpipe(s: _Stage, m: int) -> None:
+    """All m forwards, then all m backwards (in micro-batch order)."""
     saved = []
     for i in range(m):
-        x = recv_forward(state, spec)
-        y = _forward(step, x, i, scale, losses, state, timeline)
-        send_forward(y, state, spec)
+        x = recv_forward(s.state, s.spec)
+        y = s.forward(x, i)
+        send_forward(y, s.state, s.spec)
         saved.append((x, y))
     for i in range(m):
-        dy = recv_backward(state, spec)
+        dy = recv_backward(s.state, s.spec)
         x, y = saved[i]
-        send_backward(_backward(x, y, dy, i, timeline), state, spec)
+        send_backward(s.backward(x, y, dy, i), s.state, s.spec)
         saved[i] = None  # free micro-batch i's activations
-    return losses
 
 
-def run_1f1b(
-    step: StageStep,
-    m: int,
-    state: ParallelState,
-    spec: P2PSpec,
-    timeline: PipelineTimeline | None = None,
-    loss_scale: float = 1.0,
-) -> list[torch.Tensor]:
+def run_1f1b(s: _Stage, m: int) -> None:
     """Warm-up forwards, then one forward / one backward, then cool-down backwards."""
+    state, spec = s.state, s.spec
     warmup = min(state.pp - state.pp_rank - 1, m)  # forwards in flight before the first backward
     steady = m - warmup
-    scale = loss_scale / m
-    losses: list[torch.Tensor] = []
     saved: deque = deque()
     for i in range(warmup):
         x = recv_forward(state, spec)
-        y = _forward(step, x, i, scale, losses, state, timeline)
+        y = s.forward(x, i)
         send_forward(y, state, spec)
         saved.append((x, y))
     x = recv_forward(state, spec) if steady else None
     for j in range(steady):  # F_{w+j}, then B_j
-        y = _forward(step, x, warmup + j, scale, losses, state, timeline)
+        y = s.forward(x, warmup + j)
         dy = send_forward_recv_backward(y, state, spec)
         saved.append((x, y))
-        dx = _backward(*saved.popleft(), dy, j, timeline)
+        dx = s.backward(*saved.popleft(), dy, j)
         if j < steady - 1:
             x = send_backward_recv_forward(dx, state, spec)
         else:
             send_backward(dx, state, spec)
     for i in range(steady, m):  # cool-down
         dy = recv_backward(state, spec)
-        send_backward(_backward(*saved.popleft(), dy, i, timeline), state, spec)
-    return losses
+        send_backward(s.backward(*saved.popleft(), dy, i), state, spec)
 
 
 def forward_backward_pipeline(
@@ -169,7 +148,9 @@ def forward_backward_pipeline(
     run = run_gpipe if schedule == "gpipe" else run_1f1b
     if timeline is not None:
         timeline.start_step(schedule, num_microbatches)
-    return run(step, num_microbatches, state, spec, timeline, loss_scale)
+    stage = _Stage(step, state, spec, timeline, scale=loss_scale / num_microbatches)
+    run(stage, num_microbatches)
+    return stage.losses
 
 
 @torch.no_grad()

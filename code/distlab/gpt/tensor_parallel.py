@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .tp_communications import (
+    Group,
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
     group_rank,
@@ -72,6 +73,31 @@ def vocab_padding_message(vocab_size: int, padded: int) -> str:
     return f"> padded vocab (size: {vocab_size}) with {padded - vocab_size} dummy tokens (new size: {padded})"
 
 
+def _init_linear(
+    layer: nn.Module, in_features: int, out_features: int, group: Group, *, split_dim: int, bias: bool = True
+) -> None:
+    """Sizes, group, this rank's (out, in) weight slice split along ``split_dim`` (0: output
+    features, by ``layer.stride`` blocks; 1: input features), and the bias (split with the
+    output features, whole otherwise). Allocated, not initialised (see the module docstring)."""
+    p, stride = group_size(group), layer.stride
+    split = (out_features, in_features)[split_dim]
+    if split % (p * stride):
+        raise ValueError(
+            f"{type(layer).__name__}: {('out', 'in')[split_dim]}_features {split} is not divisible by "
+            f"tensor-parallel size {p}" + (f" x stride {stride} = {p * stride}" if stride > 1 else "")
+        )
+    layer.in_features, layer.out_features, layer.group = in_features, out_features, group
+    shape = [out_features, in_features]
+    shape[split_dim] //= p
+    layer.weight = nn.Parameter(torch.empty(shape))
+    _mark_partitioned(layer.weight, split_dim, stride)
+    layer.bias = (
+        nn.Parameter(torch.empty(out_features // p if split_dim == 0 else out_features)) if bias else None
+    )
+    if bias and split_dim == 0:
+        _mark_partitioned(layer.bias, 0, stride)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b, A = [A_1, ..., A_p] split by columns; rank r computes Y_r = X A_r + b_r.
 
@@ -85,27 +111,14 @@ class ColumnParallelLinear(nn.Module):
         in_features: int,
         out_features: int,
         *,
-        group: dist.ProcessGroup | None,
-        bias: bool = True,
         gather_output: bool = False,
         stride: int = 1,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        group: Group,
+        bias: bool = True,
     ) -> None:
         super().__init__()
-        p = group_size(group)
-        if out_features % (p * stride):
-            raise ValueError(
-                f"ColumnParallelLinear: out_features {out_features} is not divisible by "
-                f"tensor-parallel size {p} x stride {stride} = {p * stride}"
-            )
-        self.in_features, self.out_features, self.stride = in_features, out_features, stride
-        self.group, self.gather_output = group, gather_output
-        self.weight = nn.Parameter(torch.empty(out_features // p, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features // p, device=device, dtype=dtype)) if bias else None
-        _mark_partitioned(self.weight, 0, stride)
-        if self.bias is not None:
-            _mark_partitioned(self.bias, 0, stride)
+        self.gather_output, self.stride = gather_output, stride
+        _init_linear(self, in_features, out_features, group, split_dim=0, bias=bias)
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -141,23 +154,13 @@ class RowParallelLinear(nn.Module):
         in_features: int,
         out_features: int,
         *,
-        group: dist.ProcessGroup | None,
-        bias: bool = True,
         input_is_parallel: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        group: Group,
+        bias: bool = True,
     ) -> None:
         super().__init__()
-        p = group_size(group)
-        if in_features % p:
-            raise ValueError(
-                f"RowParallelLinear: in_features {in_features} is not divisible by tensor-parallel size {p}"
-            )
-        self.in_features, self.out_features = in_features, out_features
-        self.group, self.input_is_parallel = group, input_is_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // p, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        _mark_partitioned(self.weight, 1)
+        self.input_is_parallel, self.stride = input_is_parallel, 1
+        _init_linear(self, in_features, out_features, group, split_dim=1, bias=bias)
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -190,9 +193,7 @@ class VocabParallelEmbedding(nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         *,
-        group: dist.ProcessGroup | None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        group: Group,
     ) -> None:
         super().__init__()
         p = group_size(group)
@@ -205,9 +206,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.vocab_start = group_rank(group) * (num_embeddings // p)
         self.vocab_end = self.vocab_start + num_embeddings // p
-        self.weight = nn.Parameter(
-            torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)
-        )
+        self.weight = nn.Parameter(torch.empty(num_embeddings // p, embedding_dim))
         _mark_partitioned(self.weight, 0)
 
     @torch.no_grad()
@@ -276,13 +275,17 @@ def vocab_parallel_cross_entropy(
     """loss_t = log sum_v exp(z_tv) - z_t,target, with z split by vocabulary over the group.
 
     Two all-reduces of (N,) vectors (the max, then the target's logit and the sum of exponentials
-    stacked into one) replace gathering the (N, V) logits; none when the group has one rank.
+    stacked into one) replace gathering the (N, V) logits. With one rank it is plain cross-entropy.
     logits (..., V_p), target (...) -> per-token loss (...), fp32.
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: "
             f"logits must be target's shape plus the vocabulary dimension"
+        )
+    if group_size(group) == 1:  # the whole vocabulary is here: PyTorch's fused kernel, in fp32
+        return F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="none").view_as(
+            target
         )
     n_shape = target.shape
     loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group)

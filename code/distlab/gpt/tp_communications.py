@@ -28,7 +28,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+#: A tensor-parallel process group; None (or one rank) means unsharded.
+Group = dist.ProcessGroup | None
+
 __all__ = [
+    "Group",
     "copy_to_tensor_parallel",
     "reduce_from_tensor_parallel",
     "scatter_to_tensor_parallel",
@@ -75,72 +79,38 @@ def _gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     return torch.cat(parts, dim=-1)  # p x (..., H_p) -> (..., H)
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """``f``: identity forward, all-reduce backward."""
+def _identity(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return x.view_as(x)  # a view: autograd needs a new tensor
+
+
+class _Conjugate(torch.autograd.Function):
+    """One operator of the table: ``forward_fn`` on the way in, ``backward_fn`` on the gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """``g``: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        return _all_reduce(x, group)
+    def forward(ctx, x: torch.Tensor, group, forward_fn, backward_fn) -> torch.Tensor:
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class _ScatterToTensorParallel(torch.autograd.Function):
-    """Keep this rank's slice of the last dimension; all-gather in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_last(grad, ctx.group), None
-
-
-class _GatherFromTensorParallel(torch.autograd.Function):
-    """All-gather the last dimension; keep this rank's slice in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _split_last(grad, ctx.group), None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``f``: Y = X forward, dX = sum over the group of dY backward."""
-    return x if group_size(group) == 1 else _CopyToTensorParallel.apply(x, group)
+    return x if group_size(group) == 1 else _Conjugate.apply(x, group, _identity, _all_reduce)
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``g``: Y = sum over the group of X forward, dX = dY backward."""
-    return x if group_size(group) == 1 else _ReduceFromTensorParallel.apply(x, group)
+    return x if group_size(group) == 1 else _Conjugate.apply(x, group, _all_reduce, _identity)
 
 
 def scatter_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Y = X[..., r*H_p:(r+1)*H_p] forward, all-gather backward; (..., H) -> (..., H_p)."""
-    return x if group_size(group) == 1 else _ScatterToTensorParallel.apply(x, group)
+    return x if group_size(group) == 1 else _Conjugate.apply(x, group, _split_last, _gather_last)
 
 
 def gather_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Y = [X_1, ..., X_p] (last dim) forward, keep own slice backward; (..., H_p) -> (..., H)."""
-    return x if group_size(group) == 1 else _GatherFromTensorParallel.apply(x, group)
+    return x if group_size(group) == 1 else _Conjugate.apply(x, group, _gather_last, _split_last)

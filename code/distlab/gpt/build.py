@@ -1,0 +1,205 @@
+"""Everything a training run holds, built once: :class:`Run` and :func:`build_run`.
+
+    build_run(args, ctx)   layout and banner, tokenizer and padded vocabulary, datasets, model,
+                           optimizer, loss scaler, LR schedule, forward/backward, --load
+
+Start-up lines follow Megatron's, printed by rank 0 (the parameter count by every
+data-parallel rank 0: one line per model shard). ``Run.step`` is the one function that turns a
+global batch into a ``StepResult`` (:func:`optimizer_step`: forward/backward, gradient
+finalisation, optimizer step); a path that owns the optimizer and the gradients (an engine
+such as DeepSpeed's) replaces that field, and ``optimizer``, in :func:`build_run`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from distlab.distributed import DistContext, cap_cpu_threads, print_on
+from distlab.gpt import checkpointing, log
+from distlab.gpt.arguments import PretrainArgs, parse_split
+from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
+from distlab.gpt.loss_scaler import DynamicLossScaler, autocast, describe_precision
+from distlab.gpt.model import GPTConfig, GPTModel
+from distlab.gpt.optimizer import LRSchedule, build_optimizer
+from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.pipeline_parallel import PipelineForwardBackward, describe
+from distlab.gpt.pipeline_timeline import PipelineTimeline
+from distlab.gpt.pp_communications import P2PSpec
+from distlab.gpt.tensor_parallel import pad_vocab_size, vocab_padding_message
+from distlab.gpt.tokenizer import GPT2BPETokenizer
+from distlab.gpt.training import StepResult, forward_backward, micro_batches, train_step
+
+
+def optimizer_step(run: Run, batches: list) -> StepResult:
+    """One global batch: forward/backward, gradient finalisation, optimizer step (``Run.step``)."""
+    return train_step(
+        run.model,
+        run.optimizer,
+        batches,
+        state=run.state,
+        clip_grad=run.args.clip_grad,
+        scaler=run.scaler,
+        autocast=run.autocast,
+        forward_backward_fn=run.forward_backward,
+    )
+
+
+@dataclass
+class Run:
+    """Everything one training run holds, built once by :func:`build_run`."""
+
+    args: PretrainArgs
+    ctx: DistContext
+    state: ParallelState
+    num_micro_batches: int  # m = global batch / (micro batch x dp), checked by validate_args
+    vocab_size: int  # V, padded
+    datasets: list[GPTDataset | None]  # train, validation, test
+    model: GPTModel
+    optimizer: torch.optim.Optimizer
+    scaler: DynamicLossScaler | None
+    lr_schedule: LRSchedule
+    forward_backward: Callable[..., torch.Tensor]  # training.forward_backward or the pipeline's
+    timeline: PipelineTimeline | None
+    tlog: log.TrainingLog
+    tensorboard: log.TensorBoardLog
+    step: Callable[[Run, list], StepResult] = optimizer_step  # one global batch -> StepResult
+    iteration: int = 0
+    consumed: int = 0  # samples
+    saved_at: int | None = None
+
+    @property
+    def rank0(self) -> bool:
+        return self.state.rank == 0
+
+    @property
+    def last_rank(self) -> bool:
+        """The rank that prints the loss (the last stage of the last pipeline)."""
+        return self.state.rank == self.ctx.world_size - 1
+
+    def autocast(self):
+        return autocast(self.args, self.ctx.device)
+
+    def batches(self, dataset: GPTDataset, first_sample: int) -> list:
+        return micro_batches(
+            dataset,
+            first_sample,
+            micro_batch_size=self.args.micro_batch_size,
+            num_micro_batches=self.num_micro_batches,
+            state=self.state,
+            device=self.ctx.device,
+        )
+
+
+def build_run(args: PretrainArgs, ctx: DistContext) -> Run:
+    """Layout, data, model, optimizer and schedule, printing Megatron's start-up lines."""
+    state = ParallelState.build(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+    m = args.global_batch_size // (args.micro_batch_size * state.dp)
+    rank0, device = state.rank == 0, ctx.device
+    threads = cap_cpu_threads(ctx.env.local_world_size) if device.type == "cpu" else f"device: {device}"
+    print_on(
+        rank0,
+        state.banner(),
+        f"> launcher: {ctx.env.launcher}, backend: {ctx.backend}, {threads}",
+        describe_precision(args, device),
+        f"> global batch size {args.global_batch_size} = micro batch {args.micro_batch_size} x "
+        f"data-parallel {state.dp} x accumulation steps {m}",
+    )
+    tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
+    print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab))
+    datasets = _build_datasets(args, rank0)
+    model = _build_model(args, state, vocab, device)
+    timeline = None
+    if args.pipeline_timeline:
+        timeline = PipelineTimeline(state.pp_rank, state.pp, device, group=state.pp_group)
+    run = Run(
+        args=args,
+        ctx=ctx,
+        state=state,
+        num_micro_batches=m,
+        vocab_size=vocab,
+        datasets=datasets,
+        model=model,
+        optimizer=build_optimizer(model, args),
+        scaler=_build_scaler(args),
+        lr_schedule=LRSchedule(args),
+        forward_backward=_build_forward_backward(args, state, device, timeline),
+        timeline=timeline,
+        tlog=log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device),
+        tensorboard=log.TensorBoardLog(args, enabled=state.rank == ctx.world_size - 1),
+    )
+    if args.load:
+        load(run)
+    if state.pp > 1:
+        print_on(rank0, describe(args.pipeline_schedule, state.pp, m))
+    return run
+
+
+def _build_datasets(args: PretrainArgs, rank0: bool) -> list[GPTDataset | None]:
+    """Train, validation and test samples for every iteration and evaluation of the run."""
+    B = args.global_batch_size
+    n_evals = args.train_iters // args.eval_interval + 1
+    wanted = [args.train_iters * B, n_evals * args.eval_iters * B, args.eval_iters * B]
+    datasets = build_datasets(args.data_path, parse_split(args.split), args.seq_length, wanted, args.seed)
+    sizes = ", ".join(f"{d.name} {len(d)} samples ({d.num_epochs} epoch(s))" for d in datasets if d)
+    print_on(rank0, f"> datasets from {args.data_path}: {sizes}")
+    return datasets
+
+
+def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
+    """This rank's stage and tensor-parallel shard of the GPT; prints its parameter count."""
+    torch.manual_seed(args.seed + 100 * state.pp_rank)  # dropout; the weights come from init_parameters
+    cfg = GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab,
+        max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size,
+        init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        recompute_activations=args.recompute_activations,
+        seed=args.seed,
+    )
+    model = GPTModel(cfg, state).to(device)
+    print_on(
+        state.dp_rank == 0,
+        f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
+        f"{state.pp_rank}): {sum(p.numel() for p in model.parameters())}",
+    )
+    return model
+
+
+def _build_scaler(args: PretrainArgs) -> DynamicLossScaler | None:
+    if not args.fp16:
+        return None
+    return DynamicLossScaler(
+        args.initial_loss_scale, args.min_loss_scale, args.loss_scale_window, args.hysteresis
+    )
+
+
+def _build_forward_backward(
+    args: PretrainArgs, state: ParallelState, device: torch.device, timeline: PipelineTimeline | None
+) -> Callable[..., torch.Tensor]:
+    """pp = 1: a loop over the micro-batches; pp > 1: the GPipe or 1F1B schedule."""
+    if state.pp == 1:
+        return forward_backward
+    shape = (args.micro_batch_size, args.seq_length, args.hidden_size)  # (b, T, H) between stages
+    spec = P2PSpec(shape, torch.float32, device, timeout_s=60 * args.distributed_timeout_minutes)
+    return PipelineForwardBackward(state, spec, schedule=args.pipeline_schedule, timeline=timeline)
+
+
+def load(run: Run) -> None:
+    """Resume from ``--load`` (model, optimizer, scaler, RNG, iteration, consumed samples)."""
+    loaded = checkpointing.load_checkpoint(run.args, run.state, run.model, run.optimizer)
+    if loaded is None:
+        print_on(run.rank0, f"> no checkpoint in {run.args.load}: starting from scratch")
+        return
+    run.iteration, run.consumed, scaler_state = loaded
+    if run.scaler is not None and scaler_state is not None:
+        run.scaler.load_state_dict(scaler_state)
+    print_on(run.rank0, f"> loaded checkpoint from {run.args.load} at iteration {run.iteration}")
