@@ -29,6 +29,6 @@ Reading order, one idea per file:
 
 Beside them: arguments (Megatron's command line), tokenizer, indexed_dataset and gpt_dataset
 (data), optimizer (AdamW, LR schedule), loss_scaler (fp16/bf16), checkpointing, log and flops
-(Megatron's log line, TensorBoard, MFU), memory, profiler, pipeline_timeline and pipeline_plot
+(Megatron's log line, TensorBoard, the profiler; MFU), memory, pipeline_timeline and pipeline_plot
 (recorded F/B spans and their Gantt chart), local_run (spawned runs for tests and notebooks).
 """

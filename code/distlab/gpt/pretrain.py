@@ -25,7 +25,6 @@ from distlab.gpt.build import Run, build_run
 from distlab.gpt.gpt_dataset import GPTDataset
 from distlab.gpt.memory import memory_report
 from distlab.gpt.pipeline_timeline import bubble_summary, save_timeline
-from distlab.gpt.profiler import StepProfiler
 from distlab.gpt.training import StepResult, evaluate
 
 
@@ -47,20 +46,22 @@ def train(run: Run) -> dict:
     """The training loop, then :func:`finish`; returns the history."""
     args = run.args
     timer = log.Timer(run.ctx.device)  # the one clock: iteration times and --exit-duration-in-mins
-    profiler = StepProfiler(args, run.state.rank)
+    profiler = log.StepProfiler(args, run.state.rank)
     first_iteration = run.iteration + 1  # of this run (after --load)
     print_on(run.rank0, "> training ...")
     run.model.train()
     while run.iteration < args.train_iters:
         lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
-        result = run.step(run, run.batches(run.datasets[0], run.consumed))
+        batches = run.batches(run.datasets[0], run.consumed)
+        before_ms = 1000 * timer.lap()  # the previous iteration's logging, evaluation, save; data
+        result = run.step(run, batches)
+        step_ms = 1000 * timer.lap()
         run.iteration += 1
         run.consumed += args.global_batch_size
-        iter_ms = 1000 * timer.lap()
         if run.iteration == first_iteration:
             report_memory(run)
         profiler.step()
-        log_iteration(run, result, lr, iter_ms)
+        log_iteration(run, result, lr, before_ms + step_ms, step_ms)
         maybe_evaluate(run)
         maybe_save(run)
         if time_exceeded(run, timer):
@@ -74,7 +75,7 @@ def report_memory(run: Run) -> None:
     print_on(run.rank0, *memory_report(run.model, run.optimizer, run.ctx.device, run.state))
 
 
-def log_iteration(run: Run, result: StepResult, lr: float, iter_ms: float) -> None:
+def log_iteration(run: Run, result: StepResult, lr: float, iter_ms: float, step_ms: float) -> None:
     """History, Megatron's line every --log-interval (last rank), TensorBoard scalars."""
     loss_scale = run.scaler.scale if run.scaler else 1.0
     fields = dict(loss=result.loss, lr=lr, loss_scale=loss_scale, grad_norm=result.grad_norm)
@@ -82,7 +83,8 @@ def log_iteration(run: Run, result: StepResult, lr: float, iter_ms: float) -> No
         run.iteration, run.consumed, **fields, skipped=result.skipped, nan=result.nan, iter_ms=iter_ms
     )
     print_on(run.last_rank and line is not None, line)
-    run.tensorboard.training(run.iteration, run.consumed, **fields, iter_ms=iter_ms)
+    timers = {"train-step": step_ms}
+    run.tensorboard.training(run.iteration, run.consumed, **fields, iter_ms=iter_ms, timers=timers)
 
 
 def maybe_evaluate(run: Run) -> None:
