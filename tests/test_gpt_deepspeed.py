@@ -82,8 +82,6 @@ def _model_and_optimizer():
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(torchrun_env(rank, WORLD, port))
     torch.set_num_threads(1)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from distlab.distributed import init_distributed
     from distlab.gpt import deepspeed_engine as dse
     from distlab.gpt.parallel_state import ParallelState
@@ -92,8 +90,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     init_distributed("gloo", timeout_s=120)
     state = ParallelState.build()
     model, opt = _model_and_optimizer()
-    ddp = DDP(model, process_group=state.dp_group)
-    losses = {"ddp": [train_step(ddp, opt, _batches(rank), state=state, clip_grad=1.0, scaler=None).loss
+    # the engine's own data parallelism: one flat all-reduce of the gradients, what DDP computes
+    losses = {"ddp": [train_step(model, opt, _batches(rank), state=state, clip_grad=1.0, scaler=None).loss
                       for _ in range(STEPS)]}  # fmt: skip
     memory = {}
     for stage, offload in STAGES:
