@@ -6,7 +6,7 @@ tokens) in bf16, then prints:
 
 * tokens/s and MFU, medians of the logged intervals after the first (warm-up) one. MFU = model
   FLOPs per second (Megatron's formula, ``distlab.gpt.log``) / the device's dense bf16 peak
-  (``distlab.gpt.log.PEAK_TFLOPS``; 989 TFLOP/s for an H100 SXM; target: at least 50%);
+  (``distlab.gpt.flops.PEAK_TFLOPS``; 989 TFLOP/s for an H100 SXM; target: at least 50%);
 * the engine's per-rank memory report after the first iteration, whose peak is
   ``torch.cuda.max_memory_allocated``;
 * the profiler trace of two steps (``--profile-execution True``) as TensorBoard's PyTorch Profiler

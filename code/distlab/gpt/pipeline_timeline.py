@@ -127,12 +127,3 @@ def bubble_summary(timeline: dict) -> str:
         f"{timeline['theoretical_bubble']:.1%}"
     )
 
-
-def __getattr__(name: str):
-    """``plot_timelines`` moved to ``pipeline_plot`` (matplotlib stays out of the recorder); the
-    old import keeps working until the notebooks import it from there."""
-    if name == "plot_timelines":
-        from distlab.gpt.pipeline_plot import plot_timelines
-
-        return plot_timelines
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
