@@ -78,6 +78,22 @@ def test_open_mpi_variables():
     assert D.discover(env) == D.DistEnv(3, 4, 1, 2, "node1", 20000 + 4242, "mpirun")
 
 
+def test_mpirun_under_pbs_finds_the_first_node_and_port_from_pbs(tmp_path):
+    """PBS exports no Slurm variables: the rendezvous host is the first line of $PBS_NODEFILE
+    (one line per slot) and the port comes from the number in PBS_JOBID."""
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("gpu32\ngpu32\ngpu33\ngpu33\n")
+    env = {
+        "PBS_NODEFILE": str(nodefile),
+        "PBS_JOBID": "81234.pbs-server",
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
+    assert D.discover(env) == D.DistEnv(2, 4, 0, 2, "gpu32", 20000 + 81234 % 20000, "mpirun")
+
+
 def test_srun_variables():
     got = D.discover(SLURM_2x2)
     assert got == D.DistEnv(3, 4, 1, 2, "node1", 24242, "srun")

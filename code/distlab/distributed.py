@@ -12,8 +12,9 @@ nothing                a single process: rank 0 of 1
 =====================  ===========================================================
 
 Launchers that do not export a rendezvous address (mpirun, srun) get ``MASTER_ADDR`` from the
-first host of ``SLURM_JOB_NODELIST`` (or localhost) and ``MASTER_PORT`` from the job id, so every
-rank of a job agrees without talking first.
+first host of the job (``SLURM_JOB_NODELIST``, or the first line of PBS's ``$PBS_NODEFILE``, else
+localhost) and ``MASTER_PORT`` from the job id (``SLURM_JOB_ID``, or the number in ``PBS_JOBID``),
+so every rank of a job agrees without talking first.
 
 The backend follows the hardware: ``nccl`` when CUDA is present, else ``gloo``. Every process
 group is created with a timeout, so a missing or dead rank fails the job with a message instead
@@ -30,6 +31,7 @@ import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,17 +78,29 @@ def _tasks_on_first_node(spec: str) -> int:
     return int(re.match(r"\d+", spec).group(0))
 
 
+def _first_host(env: Mapping[str, str]) -> str:
+    """The job's first node: Slurm's node list, else PBS's node file, else this machine."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if nodelist:
+        return expand_hostlist(nodelist)[0]
+    if env.get("PBS_NODEFILE"):
+        hosts = Path(env["PBS_NODEFILE"]).read_text().split()
+        if hosts:
+            return hosts[0]
+    return "127.0.0.1"
+
+
 def _default_port(env: Mapping[str, str]) -> int:
-    job = int(env.get("SLURM_JOB_ID", "0") or 0)
+    """20000 + job id mod 20000 (Slurm's id, or the number of PBS's ``1234.server``), else 29500."""
+    match = re.match(r"\d+", env.get("SLURM_JOB_ID") or env.get("PBS_JOBID") or "")
+    job = int(match.group(0)) if match else 0
     return 20000 + job % 20000 if job else 29500
 
 
 def discover(env: Mapping[str, str] | None = None) -> DistEnv:
     """Read rank, world size and rendezvous address from the launcher's variables."""
     env = os.environ if env is None else env
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    first_host = expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1"
-    addr = env.get("MASTER_ADDR", first_host)
+    addr = env.get("MASTER_ADDR") or _first_host(env)
     port = int(env.get("MASTER_PORT", _default_port(env)))
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
