@@ -98,6 +98,8 @@ def test_unknown_argument_is_named(files, capsys):
         (["--split", "a,b"], 4, "--split 'a,b' must be numbers"),
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], 4, "choose one"),
         (["--profile-execution", "True", "--train-iters", "2"], 4, "needs --train-iters >= 3"),
+        (["--profile-ranks", "0,4"], 4, "--profile-ranks 0,4: ranks [4] not in world size 4"),
+        (["--profile-ranks", "first"], 4, "expected comma-separated ranks, e.g. 0,2"),
     ],
 )
 def test_contradictions_are_refused_with_values(files, extra, world, message):

@@ -63,6 +63,16 @@ def test_the_plugins_loader_finds_the_run_and_its_step_breakdown(dp2_trace):
     assert [row[0] for row in overview["steps"]["rows"]] == ["1", "2"]  # the two traced steps
 
 
+def test_profile_ranks_choose_which_ranks_write_a_trace(tmp_path):
+    """--profile-ranks 1: only rank 1 traces, as worker ``rank1`` (a pipelined run names one rank
+    per stage)."""
+    data = prepare_data(tmp_path / "data", vocab_size=512, max_files=80).argv()
+    run = ["--global-batch-size", "4", "--train-iters", "3", "--tensorboard-dir", str(tmp_path)]
+    prof = ["--profile-execution", "True", "--profile-name", "r1", "--profile-ranks", "1"]
+    spawn_pretrain([*TINY, *data, *run, *prof], 2, tmp_path / "run")
+    assert list(find_traces(tmp_path / "r1")) == ["rank1"]
+
+
 def test_breakdown_counts_gloo_as_communication(dp2_trace):
     traces = load_run(dp2_trace / "dp2")
     assert list(traces) == ["rank0"]

@@ -104,8 +104,9 @@ class PretrainArgs:
     save: str = _f(None, "checkpoint directory to write")
     load: str = _f(None, "checkpoint directory to resume from")
     save_interval: int = _f(None, "iterations between checkpoints (and one at the end)")
-    profile_execution: bool = _f(False, "torch.profiler trace of two steps of rank 0 (True|False)", tf=True)
+    profile_execution: bool = _f(False, "torch.profiler trace of two steps (True|False)", tf=True)
     profile_name: str = _f("profile", "run name of the trace under --tensorboard-dir")
+    profile_ranks: str = _f("0", "global ranks that write a trace, e.g. 0,2: one per pipeline stage")
 
 
 def _str2bool(text: str) -> bool:
@@ -244,6 +245,17 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
             f"--profile-execution True needs --train-iters >= 3 (1 warm-up + 2 traced), "
             f"got {args.train_iters}"
         )
+    try:
+        bad = [r for r in profile_ranks(args) if not 0 <= r < world_size]
+        if bad:
+            errors.append(f"--profile-ranks {args.profile_ranks}: ranks {bad} not in world size {world_size}")
+    except ValueError:
+        errors.append(f"--profile-ranks {args.profile_ranks}: expected comma-separated ranks, e.g. 0,2")
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))
     return dims
+
+
+def profile_ranks(args: PretrainArgs) -> set[int]:
+    """The global ranks named by ``--profile-ranks`` ("0,2" -> {0, 2})."""
+    return {int(r) for r in args.profile_ranks.split(",") if r.strip()}

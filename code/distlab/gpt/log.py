@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.arguments import PretrainArgs, profile_ranks
 from distlab.gpt.flops import device_peak_tflops, model_flops_per_iteration
 
 
@@ -239,10 +239,12 @@ class TrainingLog:
 
 
 class StepProfiler:
-    """torch.profiler over the first three steps of rank 0: one warm-up, two traced.
+    """torch.profiler over the first three steps of each rank in ``--profile-ranks`` (default 0):
+    one warm-up, two traced.
 
-    The trace lands in ``<tensorboard-dir>/<profile-name>/rank0.<time>.pt.trace.json``, the layout
-    TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``).
+    Rank r's trace lands in ``<tensorboard-dir>/<profile-name>/rank<r>.<time>.pt.trace.json``, the
+    layout TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``),
+    one worker per rank: ``--profile-ranks 0,2`` shows both stages of a TP=2 x PP=2 run.
     """
 
     def __init__(self, args: PretrainArgs, rank: int) -> None:
@@ -250,18 +252,18 @@ class StepProfiler:
             args.tensorboard_dir or os.path.join("runs", "tensorboard"), args.profile_name
         )
         self.prof, self.steps = None, 0
-        if not args.profile_execution or rank != 0:
+        if not args.profile_execution or rank not in profile_ranks(args):
             return
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = torch.profiler.profile(
             activities=acts, schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.folder, "rank0"), record_shapes=True,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.folder, f"rank{rank}"), record_shapes=True,
         )  # fmt: skip
         self.prof.start()
         print(
-            f"> profiling two training steps of rank 0 into {self.folder} (TensorBoard PyTorch Profiler)",
+            f"> profiling two training steps of rank {rank} into {self.folder} (TensorBoard PyTorch Profiler)",
             flush=True,
         )
 
