@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,13 @@ def running_controller(tmp_path):
     exe.parent.mkdir()
     shutil.copy(shutil.which("sleep"), exe)
     proc = subprocess.Popen([str(exe), "60"])
+    # Popen returns once exec has closed the close-on-exec pipe, but the kernel renames the task
+    # (/proc/<pid>/comm) a little later in exec: on a loaded machine the check could see the
+    # parent's name. Wait for the new name.
+    comm, deadline = Path(f"/proc/{proc.pid}/comm"), time.monotonic() + 10
+    while comm.read_text().strip() != "slurmctld":
+        assert time.monotonic() < deadline, f"the stand-in controller is still {comm.read_text()!r}"
+        time.sleep(0.01)
     yield proc.pid
     proc.kill()
     proc.wait()
