@@ -97,7 +97,25 @@ def test_unknown_argument_is_named(files, capsys):
         (["--save-interval", "5"], 4, "--save-interval 5 was given without --save"),
         (["--split", "a,b"], 4, "--split 'a,b' must be numbers"),
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], 4, "choose one"),
-        (["--profile-execution", "True", "--train-iters", "2"], 4, "needs --train-iters >= 3"),
+        (
+            ["--profile-execution", "True", "--train-iters", "2"],
+            4,
+            "--profile-step-start 1 and --profile-step-end 3 need 1 <= start < end <= --train-iters 2",
+        ),
+        (
+            ["--profile-execution", "True", "--profile-step-start", "3", "--profile-step-end", "3"],
+            4,
+            "--profile-step-start 3 and --profile-step-end 3 need 1 <= start < end",
+        ),
+        (["--zero-stage", "2"], 4, "--zero-stage was given without --deepspeed"),
+        (
+            ["--deepspeed", "--tensor-model-parallel-size", "2"],
+            4,
+            "--deepspeed runs data parallelism only: got --tensor-model-parallel-size 2",
+        ),
+        (["--deepspeed", "--bf16"], 4, "--deepspeed runs in fp32 in this course"),
+        (["--deepspeed", "--zero-stage", "4"], 4, "ZeRO stage 4 must be 0, 1, 2 or 3"),
+        (["--device-memory-gib", "0"], 4, "--device-memory-gib 0.0 must be > 0"),
         (["--profile-ranks", "0,4"], 4, "--profile-ranks 0,4: ranks [4] not in world size 4"),
         (["--profile-ranks", "first"], 4, "expected comma-separated ranks, e.g. 0,2"),
     ],
@@ -154,3 +172,16 @@ def test_entry_script_fails_before_compute(files):
     assert out.returncode == 2
     assert "--global-batch-size 3 is not divisible by --micro-batch-size 2" in out.stderr
     assert "iteration" not in out.stdout
+
+
+def test_deepspeed_batch_rule_checked_before_compute(files, tmp_path):
+    config = tmp_path / "ds_config.json"
+    config.write_text('{"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2}')
+    with pytest.raises(ValueError) as err:
+        check([*BASE, *files, "--deepspeed", "--deepspeed_config", str(config)], 4)
+    assert "train_batch_size 12 must equal train_micro_batch_size_per_gpu 2" in str(err.value)
+    config.write_text('{"zero_optimization": {"stage": 1}}')
+    args, dims = check(
+        [*BASE, *files, "--deepspeed", "--deepspeed_config", str(config), "--zero-stage", "2"], 4
+    )
+    assert (args.deepspeed, args.zero_stage, dims.dp) == (True, 2, 4)

@@ -84,6 +84,18 @@ class PretrainArgs:
     min_loss_scale: float = _f(1.0, "smallest loss scale")
     loss_scale_window: int = _f(1000, "clean steps before the scale doubles")
     hysteresis: int = _f(2, "overflows tolerated before the scale halves")
+    # --- memory ---
+    device_memory_gib: float = _f(
+        None,
+        "cap each rank's CUDA memory at this many GiB (set_per_process_memory_fraction), so that "
+        "a sweep runs out of memory at the same micro batch on any card; on CPU the job's --mem is the cap",
+    )
+    # --- DeepSpeed (Megatron-DeepSpeed's spelling) ---
+    deepspeed: bool = _f(False, "train through DeepSpeed's engine (ZeRO); data parallelism only")
+    deepspeed_config: str = _f(
+        None, "DeepSpeed JSON config; its missing batch keys come from the run", flag="--deepspeed_config"
+    )
+    zero_stage: int = _f(None, "ZeRO stage 0-3, overriding the config's zero_optimization.stage")
     # --- parallelism ---
     tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages")
@@ -107,6 +119,8 @@ class PretrainArgs:
     profile_execution: bool = _f(False, "torch.profiler trace of two steps (True|False)", tf=True)
     profile_name: str = _f("profile", "run name of the trace under --tensorboard-dir")
     profile_ranks: str = _f("0", "global ranks that write a trace, e.g. 0,2: one per pipeline stage")
+    profile_step_start: int = _f(1, "the profiler warms up on this iteration and traces the next ones")
+    profile_step_end: int = _f(3, "last traced iteration (traced: start+1 .. end)")
 
 
 def _str2bool(text: str) -> bool:
@@ -123,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Megatron-style GPT pretraining", allow_abbrev=False)
     hints = typing.get_type_hints(PretrainArgs)
     for f in dataclasses.fields(PretrainArgs):
-        flag = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
         help_ = meta.pop("help")
         tf = meta.pop("tf", False)
         kind = hints[f.name]
@@ -161,20 +175,11 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
 
     Raises ``ValueError`` listing every problem found, before any compute.
     """
-    errors: list[str] = []
-    for name in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "seq_length",
-        "micro_batch_size",
-        "train_iters",
-        "lr",
-    ):
-        if getattr(args, name) is None:
-            errors.append(f"--{name.replace('_', '-')} is required")
-    if errors:
-        raise ValueError("; ".join(errors))
+    required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                "train_iters", "lr")  # fmt: skip
+    missing = [f"--{name.replace('_', '-')} is required" for name in required if getattr(args, name) is None]
+    if missing:
+        raise ValueError("; ".join(missing))
     dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     dims.validate_model(
         num_layers=args.num_layers, num_attention_heads=args.num_attention_heads, hidden_size=args.hidden_size
@@ -186,6 +191,19 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
         args.max_position_embeddings = args.seq_length
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    errors = [
+        *_model_and_optimizer_errors(args),
+        *_file_errors(args),
+        *_profile_errors(args, world_size),
+        *_deepspeed_errors(args, dims),
+    ]
+    if errors:
+        raise ValueError("invalid arguments: " + "; ".join(errors))
+    return dims
+
+
+def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
+    errors = []
     if args.hidden_size % args.num_attention_heads:
         errors.append(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
@@ -212,15 +230,31 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
         )
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
         errors.append(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be within [0, 1]")
-    if args.save_interval is not None and args.save is None:
-        errors.append(f"--save-interval {args.save_interval} was given without --save DIR")
-    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
-        errors.append(f"--load {args.load} is a file, not a checkpoint directory")
     for name in ("log_interval", "eval_interval"):
         if getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.eval_iters < 0:
         errors.append(f"--eval-iters {args.eval_iters} must be >= 0")
+    if args.device_memory_gib is not None and args.device_memory_gib <= 0:
+        errors.append(f"--device-memory-gib {args.device_memory_gib} must be > 0")
+    try:
+        pick_backend(args.distributed_backend)
+    except ValueError as exc:
+        errors.append(f"--distributed-backend {args.distributed_backend}: {exc}")
+    try:
+        parse_split(args.split)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def _file_errors(args: PretrainArgs) -> list[str]:
+    """The dataset, the tokenizer files and the checkpoint folders."""
+    errors = []
+    if args.save_interval is not None and args.save is None:
+        errors.append(f"--save-interval {args.save_interval} was given without --save DIR")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        errors.append(f"--load {args.load} is a file, not a checkpoint directory")
     if args.data_path is None:
         errors.append("--data-path is required: run code/preprocess_data.py first (see its docstring)")
     elif not (os.path.exists(args.data_path + ".bin") and os.path.exists(args.data_path + ".idx")):
@@ -232,18 +266,18 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
         path = getattr(args, name)
         if path is None or not os.path.exists(path):
             errors.append(f"--{name.replace('_', '-')} {path} does not exist: run code/train_tokenizer.py")
-    try:
-        pick_backend(args.distributed_backend)
-    except ValueError as exc:
-        errors.append(f"--distributed-backend {args.distributed_backend}: {exc}")
-    try:
-        parse_split(args.split)
-    except ValueError as exc:
-        errors.append(str(exc))
-    if args.profile_execution and args.train_iters < 3:
+    return errors
+
+
+def _profile_errors(args: PretrainArgs, world_size: int) -> list[str]:
+    """--profile-step-start/end within the run; --profile-ranks within the world."""
+    errors = []
+    start, end = args.profile_step_start, args.profile_step_end
+    if args.profile_execution and not 1 <= start < end <= args.train_iters:
         errors.append(
-            f"--profile-execution True needs --train-iters >= 3 (1 warm-up + 2 traced), "
-            f"got {args.train_iters}"
+            f"--profile-step-start {start} and --profile-step-end {end} need 1 <= start < end <= "
+            f"--train-iters {args.train_iters} (warm-up on iteration start, traced start+1..end): "
+            f"train longer or trace fewer steps"
         )
     try:
         bad = [r for r in profile_ranks(args) if not 0 <= r < world_size]
@@ -251,9 +285,47 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
             errors.append(f"--profile-ranks {args.profile_ranks}: ranks {bad} not in world size {world_size}")
     except ValueError:
         errors.append(f"--profile-ranks {args.profile_ranks}: expected comma-separated ranks, e.g. 0,2")
-    if errors:
-        raise ValueError("invalid arguments: " + "; ".join(errors))
-    return dims
+    return errors
+
+
+def _deepspeed_errors(args: PretrainArgs, dims: ParallelDims) -> list[str]:
+    """--deepspeed: data parallelism only, fp32, and a config that obeys DeepSpeed's batch rule."""
+    from distlab.gpt.deepspeed_engine import refuse_model_parallel
+
+    if not args.deepspeed:
+        given = [f for f in ("deepspeed_config", "zero_stage") if getattr(args, f) is not None]
+        flags = {"deepspeed_config": "--deepspeed_config", "zero_stage": "--zero-stage"}
+        return [f"{flags[f]} was given without --deepspeed" for f in given]
+    errors = []
+    try:
+        refuse_model_parallel(dims.tp, dims.pp)
+    except ValueError as exc:
+        errors.append(str(exc))
+    if args.fp16 or args.bf16:
+        errors.append(
+            "--deepspeed runs in fp32 in this course: drop --fp16/--bf16 (the precision fixes are "
+            "shown without DeepSpeed)"
+        )
+    try:
+        deepspeed_config(args, dims)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def deepspeed_config(args: PretrainArgs, dims: ParallelDims) -> dict:
+    """The run's DeepSpeed config: --deepspeed_config (or none) filled and checked by the run."""
+    from distlab.gpt.deepspeed_engine import load_config
+
+    accumulation = args.global_batch_size // (args.micro_batch_size * dims.dp)
+    return load_config(
+        args.deepspeed_config or {},
+        micro_batch_size=args.micro_batch_size,
+        accumulation_steps=accumulation,
+        world_size=dims.world_size,
+        zero_stage=args.zero_stage,
+        clip_grad=args.clip_grad or None,
+    )
 
 
 def profile_ranks(args: PretrainArgs) -> set[int]:
