@@ -43,6 +43,17 @@ The course's exercise layout, tensor parallel 2 x pipeline parallel 2 over 2 nod
 One srun task per rank, without torchrun (ranks from SLURM_PROCID)::
 
     srun --ntasks-per-node=2 python code/pretrain_gpt.py $ARGS
+
+DeepSpeed ZeRO (data parallelism only; the JSON's batch keys are filled from the run and must
+obey train_batch_size = micro x accumulation x world size), launched as above or by DeepSpeed's
+own launcher from a hostfile (``node1 slots=2`` per line)::
+
+    srun torchrun ... code/pretrain_gpt.py $ARGS --deepspeed --deepspeed_config ds_config.json --zero-stage 2
+    deepspeed --hostfile hostfile code/pretrain_gpt.py $ARGS --deepspeed --deepspeed_config ds_config.json
+
+A memory budget on a GPU (the sweep of notebook 07 fails at the same micro batch on any card)::
+
+    python code/pretrain_gpt.py $ARGS --micro-batch-size 16 --device-memory-gib 16
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from __future__ import annotations
 import sys
 
 from distlab.gpt.arguments import ArgumentError
-from distlab.gpt.pretrain import pretrain
+from distlab.gpt.pretrain import OutOfMemory, pretrain
 
 
 def main() -> int:
@@ -59,6 +70,9 @@ def main() -> int:
     except ArgumentError as exc:
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except OutOfMemory as exc:
+        print(exc, file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

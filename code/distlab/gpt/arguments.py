@@ -301,6 +301,11 @@ def _deepspeed_errors(args: PretrainArgs, dims: ParallelDims) -> list[str]:
         refuse_model_parallel(dims.tp, dims.pp)
     except ValueError as exc:
         errors.append(str(exc))
+    if args.save or args.load:
+        errors.append(
+            "--deepspeed with --save/--load: DeepSpeed writes its own checkpoints (engine.save_checkpoint), "
+            "which this course does not use; drop --save/--load"
+        )
     if args.fp16 or args.bf16:
         errors.append(
             "--deepspeed runs in fp32 in this course: drop --fp16/--bf16 (the precision fixes are "

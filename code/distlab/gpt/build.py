@@ -1,30 +1,35 @@
 """Everything a training run holds, built once: :class:`Run` and :func:`build_run`.
 
-    build_run(args, ctx)   layout and banner, tokenizer and padded vocabulary, datasets, model,
-                           optimizer, loss scaler, LR schedule, forward/backward, --load
+    build_run(args, ctx)   layout and banner, tokenizer and padded vocabulary, datasets, memory
+                           cap and meter, model, optimizer, loss scaler, LR schedule,
+                           forward/backward, DeepSpeed's engine (--deepspeed), --load
 
 Start-up lines follow Megatron's, printed by rank 0 (the parameter count by every
 data-parallel rank 0: one line per model shard). ``Run.step`` is the one function that turns a
 global batch into a ``StepResult`` (:func:`optimizer_step`: forward/backward, gradient
-finalisation, optimizer step); a path that owns the optimizer and the gradients (an engine
-such as DeepSpeed's) replaces that field, and ``optimizer``, in :func:`build_run`.
+finalisation, optimizer step); with ``--deepspeed`` it is :func:`deepspeed_step`, because
+DeepSpeed's engine owns the gradients (ZeRO shards them) and wraps the run's own optimizer,
+whose learning rate the schedule still sets.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from distlab.distributed import DistContext, cap_cpu_threads, print_on
-from distlab.gpt import checkpointing, log
-from distlab.gpt.arguments import PretrainArgs, parse_split
+from distlab.gpt import checkpointing, deepspeed_engine, log
+from distlab.gpt.arguments import PretrainArgs, deepspeed_config, parse_split
 from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
 from distlab.gpt.loss_scaler import DynamicLossScaler, autocast, describe_precision
+from distlab.gpt.memory import PeakMeter, cap_device_memory
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.optimizer import LRSchedule, build_optimizer
-from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.parallel_state import ParallelDims, ParallelState
 from distlab.gpt.pipeline_parallel import PipelineForwardBackward, describe
 from distlab.gpt.pipeline_timeline import PipelineTimeline
 from distlab.gpt.pp_communications import P2PSpec
@@ -47,6 +52,11 @@ def optimizer_step(run: Run, batches: list) -> StepResult:
     )
 
 
+def deepspeed_step(run: Run, batches: list) -> StepResult:
+    """One global batch through DeepSpeed's engine (``Run.step`` with ``--deepspeed``)."""
+    return deepspeed_engine.train_step(run.engine, batches, autocast=run.autocast)
+
+
 @dataclass
 class Run:
     """Everything one training run holds, built once by :func:`build_run`."""
@@ -65,7 +75,10 @@ class Run:
     timeline: PipelineTimeline | None
     tlog: log.TrainingLog
     tensorboard: log.TensorBoardLog
+    peak_meter: PeakMeter  # started just before the model was built
     step: Callable[[Run, list], StepResult] = optimizer_step  # one global batch -> StepResult
+    engine: object = None  # DeepSpeed's engine with --deepspeed
+    deepspeed_config: dict | None = None
     iteration: int = 0
     consumed: int = 0  # samples
     saved_at: int | None = None
@@ -111,6 +124,13 @@ def build_run(args: PretrainArgs, ctx: DistContext) -> Run:
     vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
     print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab))
     datasets = _build_datasets(args, rank0)
+    cap = cap_device_memory(args.device_memory_gib, device)
+    print_on(rank0 and cap is not None, cap)
+    if args.deepspeed:
+        importlib.import_module("deepspeed")  # importing it allocates: before the meter's baseline
+    if device.type == "cpu":
+        _warm_up_kernels(args)
+    peak_meter = PeakMeter(device).start()
     model = _build_model(args, state, vocab, device)
     timeline = None
     if args.pipeline_timeline:
@@ -130,12 +150,38 @@ def build_run(args: PretrainArgs, ctx: DistContext) -> Run:
         timeline=timeline,
         tlog=log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device),
         tensorboard=log.TensorBoardLog(args, enabled=state.rank == ctx.world_size - 1),
+        peak_meter=peak_meter,
     )
+    if args.deepspeed:
+        use_deepspeed(run)
     if args.load:
         load(run)
     if state.pp > 1:
         print_on(rank0, describe(args.pipeline_schedule, state.pp, m))
     return run
+
+
+def use_deepspeed(run: Run) -> None:
+    """Hand the model and the run's optimizer to ``deepspeed.initialize``; step through the engine."""
+    config = deepspeed_config(run.args, run.state.dims)
+    print_on(run.rank0, deepspeed_engine.describe(config))
+    run.engine = deepspeed_engine.initialize(run.model, run.optimizer, config)
+    run.deepspeed_config, run.step = config, deepspeed_step
+
+
+def _warm_up_kernels(args: PretrainArgs) -> None:
+    """One step of a one-layer GPT (same precision and recomputation), thrown away, so that the
+    code of the kernels and the thread pools are resident before the CPU meter's baseline: the
+    first iteration's peak is then the run's tensors, not libtorch's pages (about 180 MiB)."""
+    cfg = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=2, vocab_size=128,
+                    max_position_embeddings=16, recompute_activations=args.recompute_activations)  # fmt: skip
+    single = ParallelState(ParallelDims(1), rank=0)
+    model = GPTModel(cfg, single)
+    tokens = torch.randint(0, 128, (2, 17))  # (b, s + 1)
+    batches = [(tokens[:, :-1], tokens[:, 1:])]  # tokens, labels: (b, s) each
+    cpu_autocast = functools.partial(autocast, args, torch.device("cpu"))
+    train_step(model, build_optimizer(model, args), batches, state=single, clip_grad=1.0, scaler=None,
+               autocast=cpu_autocast)  # fmt: skip
 
 
 def _build_datasets(args: PretrainArgs, rank0: bool) -> list[GPTDataset | None]:

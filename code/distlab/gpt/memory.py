@@ -1,13 +1,19 @@
-"""Per-rank memory report: parameters, gradients, optimizer state, peak.
+"""Per-rank memory report: parameters, gradients, optimizer state, peak; the budget and the meter.
 
 For a model of N parameters trained in fp32 with Adam, one rank holds about
 
     parameters 4N + gradients 4N + Adam's exp_avg and exp_avg_sq 8N = 16N bytes
 
 plus activations, which is why tensor and pipeline parallelism (dividing N per rank) make
-larger models fit. The peak is what the hardware saw: the CUDA caching allocator's peak of
-allocated memory on a GPU, the process's peak resident set (``ru_maxrss``, which includes the
-Python interpreter and libraries) on the CPU.
+larger models fit. The per-rank line's peak is what the hardware saw: the CUDA caching
+allocator's peak of allocated memory on a GPU, the process's peak resident set (``ru_maxrss``,
+which includes the Python interpreter and libraries) on the CPU.
+
+What training itself costs, to compare with ``memory_estimate``'s prediction, is measured by
+:class:`PeakMeter` from just before the model is built: the CUDA allocator's peak above what was
+allocated then, or on the CPU the peak resident set (``VmHWM``, its mark reset) above the
+resident set then. :func:`cap_device_memory` is ``--device-memory-gib``: a CUDA budget that
+makes an out-of-memory sweep fail at the same micro batch on a 16 GB and an 80 GB card.
 """
 
 from __future__ import annotations
@@ -15,12 +21,16 @@ from __future__ import annotations
 import resource
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab.gpt.memory_estimate import MemorySetup, cpu_peak_since, reset_cpu_peak
+
 MiB = 2**20
+GiB = 2**30
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -43,12 +53,12 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
 
 
 def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device) -> dict:
-    """This rank's numbers, in bytes."""
+    """This rank's numbers, in bytes (under ZeRO-3: its shard of each parameter, ``ds_tensor``)."""
     params = list(model.parameters())
     peak, how = peak_memory_bytes(device)
     return {
-        "num_parameters": sum(p.numel() for p in params),
-        "parameters": _bytes(params),
+        "num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+        "parameters": _bytes(getattr(p, "ds_tensor", p) for p in params),
         "gradients": _bytes(p.grad for p in params if p.grad is not None),
         "optimizer_state": optimizer_state_bytes(optimizer),
         "peak": peak,
@@ -82,3 +92,77 @@ def memory_report(
     lines: list = [None] * dist.get_world_size()
     dist.all_gather_object(lines, line)
     return lines
+
+
+@dataclass
+class PeakMeter:
+    """Peak bytes of what is allocated after :meth:`start` (the model, its states, activations)."""
+
+    device: torch.device
+    baseline: int = field(default=0, init=False)
+
+    def start(self) -> PeakMeter:
+        """Reset the peak mark and record the baseline (call just before building the model)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            self.baseline = reset_cpu_peak()
+        return self
+
+    def peak(self) -> tuple[int, str]:
+        """(peak bytes above the baseline, how it was measured)."""
+        before = f"above the {self.baseline / MiB:.0f} MiB before the model"
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(
+                self.device
+            ) - self.baseline, f"CUDA max allocated {before}"
+        return cpu_peak_since(self.baseline), f"peak RSS {before}"
+
+
+def cap_device_memory(gib: float | None, device: torch.device) -> str | None:
+    """``--device-memory-gib``: cap the CUDA caching allocator of this process; the line to print.
+
+    ``torch.cuda.set_per_process_memory_fraction(gib / total)``: an allocation beyond it raises
+    ``torch.OutOfMemoryError`` as if the card were that small. On the CPU the budget is the job's
+    memory limit (``#SBATCH --mem``), enforced by the kernel, so nothing is set here.
+    """
+    if gib is None:
+        return None
+    if device.type != "cuda":
+        return f"> --device-memory-gib {gib:g} caps CUDA memory only: on {device.type} the budget is the job's --mem"
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gib * GiB >= total:
+        return f"> --device-memory-gib {gib:g}: the card has only {total / GiB:.1f} GiB, no cap set"
+    torch.cuda.set_per_process_memory_fraction(gib * GiB / total, device)
+    return f"> CUDA memory capped at {gib:g} GiB of {total / GiB:.1f} GiB per rank (--device-memory-gib)"
+
+
+def out_of_memory_message(exc: BaseException, micro_batch_size: int, device_memory_gib: float | None) -> str:
+    """The one line an out-of-memory run prints before exiting: micro batch, cap, the error."""
+    cap = f"--device-memory-gib {device_memory_gib:g}" if device_memory_gib else "no --device-memory-gib cap"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"[rank {rank}] > out of memory at --micro-batch-size {micro_batch_size} ({cap}): {first}"
+
+
+def memory_setup(args, state, vocab_size: int, deepspeed_config: dict | None = None) -> MemorySetup:
+    """What ``memory_estimate.estimate`` needs, from the run's arguments and layout."""
+    zero = (deepspeed_config or {}).get("zero_optimization", {})
+    return MemorySetup(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=vocab_size,
+        micro_batch_size=args.micro_batch_size,
+        precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+        recompute_activations=args.recompute_activations,
+        num_micro_batches=args.global_batch_size // (args.micro_batch_size * state.dp),
+        tp=state.tp,
+        pp=state.pp,
+        dp=state.dp,
+        pipeline_schedule=args.pipeline_schedule,
+        zero_stage=zero.get("stage", 0),
+        offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu",
+    )

@@ -3,7 +3,8 @@
     pretrain(argv)        parse and validate the arguments (everything that can fail on bad
                           input fails here, before a process group or a tensor exists), start
                           the process group, build_run (``build.py``), train
-    train(run)            the loop: Run.step, report_memory (after the first iteration),
+    train(run)            the loop: Run.step, report_memory (after the first iteration: per rank,
+                          and the estimator's predicted peak next to the measured one),
                           log_iteration, maybe_evaluate, maybe_save, time_exceeded;
                           then finish: final save, pipeline timeline, final validation and test
 
@@ -23,9 +24,14 @@ from distlab.gpt import checkpointing, log
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
 from distlab.gpt.gpt_dataset import GPTDataset
-from distlab.gpt.memory import memory_report
+from distlab.gpt.memory import memory_report, memory_setup, out_of_memory_message
+from distlab.gpt.memory_estimate import estimate, format_prediction
 from distlab.gpt.pipeline_timeline import bubble_summary, save_timeline
 from distlab.gpt.training import StepResult, evaluate
+
+
+class OutOfMemory(RuntimeError):
+    """The run did not fit: its message names the micro batch, the cap and the allocator's error."""
 
 
 def pretrain(argv: list[str] | None = None) -> dict:
@@ -38,6 +44,8 @@ def pretrain(argv: list[str] | None = None) -> dict:
     ctx = init_distributed(args.distributed_backend, timeout_s=60 * args.distributed_timeout_minutes)
     try:
         return train(build_run(args, ctx))
+    except torch.OutOfMemoryError as exc:  # CUDA's allocator (and --device-memory-gib's cap)
+        raise OutOfMemory(out_of_memory_message(exc, args.micro_batch_size, args.device_memory_gib)) from None
     finally:
         dist.destroy_process_group()
 
@@ -71,8 +79,12 @@ def train(run: Run) -> dict:
 
 
 def report_memory(run: Run) -> None:
-    """Every rank's parameters, gradients, optimizer state and peak (collective; rank 0 prints)."""
-    print_on(run.rank0, *memory_report(run.model, run.optimizer, run.ctx.device, run.state))
+    """Every rank's parameters, gradients, optimizer state and peak (collective; rank 0 prints),
+    then rank 0's peak as ``memory_estimate`` predicts it and as its :class:`PeakMeter` measured it."""
+    lines = memory_report(run.model, run.optimizer, run.ctx.device, run.state)
+    setup = memory_setup(run.args, run.state, run.vocab_size, run.deepspeed_config)
+    predicted = estimate(setup).peak(first_iteration=True, accumulating=run.num_micro_batches > 1)
+    print_on(run.rank0, *lines, format_prediction(predicted, *run.peak_meter.peak()))
 
 
 def log_iteration(run: Run, result: StepResult, lr: float, iter_ms: float, step_ms: float) -> None:
@@ -178,4 +190,4 @@ def write_timeline(run: Run) -> None:
         )
 
 
-__all__ = ["pretrain", "train"]
+__all__ = ["OutOfMemory", "pretrain", "train"]
