@@ -94,14 +94,15 @@ def batch_arithmetic(text: str) -> dict[str, int]:
 
 
 def iterations(text: str) -> list[dict]:
-    """Every iteration line as numbers: it, total, samples, ms, lr, gbs, loss, tokens_per_s, tflops."""
+    """Every iteration line as numbers: it, total, samples, ms, lr, gbs, loss, scale (the loss
+    scale), skipped (skipped iterations in the interval), tokens_per_s, tflops."""
     rows = []
     for line in text.splitlines():
         m = ITERATION_RE.match(line)
         if m is None:
             continue
-        row = {k: int(m[k]) for k in ("it", "total", "samples", "gbs")}
-        row.update({k: float(m[k]) for k in ("ms", "lr", "loss")})
+        row = {k: int(m[k]) for k in ("it", "total", "samples", "gbs", "skipped")}
+        row.update({k: float(m[k]) for k in ("ms", "lr", "loss", "scale")})
         t = THROUGHPUT_RE.search(line)
         if t is not None:
             row.update(tokens_per_s=float(t["tokens"]), tflops=float(t["tflops"]))

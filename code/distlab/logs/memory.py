@@ -1,0 +1,64 @@
+"""Notebook 07's reading of memory runs: the driver's prediction line, the job's cgroup peak, and
+one summary row per run (for the sweep plot and the fixes table).
+
+    > memory: predicted peak 669.1 MiB | measured 709.2 MiB (peak RSS above the 690 MiB before the model) | error +6.0%
+    job 223: peak 1116 MiB of its 1300 MiB limit (memory cgroup v1)        (code/job_peak_memory.py)
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+
+from distlab.logs.megatron import batch_arithmetic, iterations
+
+PREDICTION_RE = re.compile(
+    r"> memory: predicted peak (?P<predicted>[\d.]+) MiB \| measured (?P<measured>[\d.]+) MiB "
+    r"\((?P<how>.*?)(?: above the (?P<baseline>\d+) MiB before the model)?\) \| error (?P<error>[+-][\d.]+)%"
+)
+JOB_PEAK_RE = re.compile(r"job \d+: peak (?P<peak>\d+) MiB of its (?P<limit>\d+) MiB limit")
+OOM_RE = re.compile(r"out of memory|oom-kill|OutOfMemoryError", re.IGNORECASE)
+
+
+def prediction(text: str) -> dict:
+    """The first prediction line as numbers (MiB; baseline 0 when the line names none); {} if absent."""
+    m = PREDICTION_RE.search(text)
+    if m is None:
+        return {}
+    return {
+        "predicted": float(m["predicted"]),
+        "measured": float(m["measured"]),
+        "baseline": float(m["baseline"] or 0),
+        "error": float(m["error"]),
+        "how": m["how"],
+    }
+
+
+def job_peak(text: str) -> dict:
+    """``code/job_peak_memory.py``'s line: {"peak": MiB, "limit": MiB}; {} if absent."""
+    m = JOB_PEAK_RE.search(text)
+    return {"peak": float(m["peak"]), "limit": float(m["limit"])} if m else {}
+
+
+def oom_lines(text: str) -> list[str]:
+    """The lines a learner's ``grep -i "out of memory\\|oom"`` finds."""
+    return [line for line in text.splitlines() if OOM_RE.search(line)]
+
+
+def summary(text: str) -> dict:
+    """One run: micro batch, accumulation, predicted/measured peak, job peak, median ms per
+    iteration after the first, losses, loss scales and skipped iterations (per log interval)."""
+    its = iterations(text)
+    batch = batch_arithmetic(text)
+    later = [r["ms"] for r in its[1:]] or [r["ms"] for r in its]
+    return {
+        "micro": batch.get("micro_batch"),
+        "accumulation": batch.get("accumulation"),
+        **{f"{k}_mib": v for k, v in prediction(text).items() if k != "how" and k != "error"},
+        "job_peak_mib": job_peak(text).get("peak"),
+        "ms": statistics.median(later) if later else None,
+        "losses": [r["loss"] for r in its],
+        "scales": [r["scale"] for r in its],
+        "skipped": [r["skipped"] for r in its],
+        "oom": bool(oom_lines(text)),
+    }
