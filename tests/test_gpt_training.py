@@ -161,6 +161,10 @@ def test_fp16_overflow_is_skipped_logs_tensorboard_and_profile(data, tmp_path):
             "True",
             "--profile-name",
             "tiny",
+            "--profile-step-start",
+            "3",
+            "--profile-step-end",
+            "5",
         ],
         1,
         tmp_path / "run",
@@ -199,7 +203,10 @@ def test_fp16_overflow_is_skipped_logs_tensorboard_and_profile(data, tmp_path):
     assert len(traces) == 1
     events = json.loads(traces[0].read_text())["traceEvents"]
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
-    assert len(steps) == 2, steps
+    assert len(steps) == 2, steps  # iterations 4 and 5, after the warm-up on iteration 3
+    assert "> profiling iterations 4-5 of rank 0 (warm-up: iteration 3)" in run.log
+    assert any(e.get("name") == "[memory]" for e in events)  # profile_memory: allocations and frees
+    assert any(e.get("cat") == "python_function" for e in events)  # with_stack: Python frames
 
 
 def test_legacy_launcher_with_node_rank(data, tmp_path):

@@ -239,31 +239,43 @@ class TrainingLog:
 
 
 class StepProfiler:
-    """torch.profiler over the first three steps of each rank in ``--profile-ranks`` (default 0):
-    one warm-up, two traced.
+    """torch.profiler over iterations ``start+1 .. end`` (``--profile-step-start/end``, Megatron's
+    meaning) of each rank in ``--profile-ranks`` (default 0), after a warm-up on iteration ``start``::
 
-    Rank r's trace lands in ``<tensorboard-dir>/<profile-name>/rank<r>.<time>.pt.trace.json``, the
-    layout TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``),
-    one worker per rank: ``--profile-ranks 0,2`` shows both stages of a TP=2 x PP=2 run.
+        schedule(wait=start - 1, warmup=1, active=end - start)      defaults 1, 3: traced 2 and 3
+
+    with shapes, memory (allocations and frees: the Memory view's curve) and Python stacks. Rank r's
+    trace lands in ``<tensorboard-dir>/<profile-name>/rank<r>.<time>.pt.trace.json``, the layout
+    TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``), one
+    worker per rank: ``--profile-ranks 0,2`` shows both stages of a TP=2 x PP=2 run.
     """
 
-    def __init__(self, args: PretrainArgs, rank: int) -> None:
+    def __init__(self, args: PretrainArgs, rank: int, first_iteration: int = 1) -> None:
         self.folder = os.path.join(
             args.tensorboard_dir or os.path.join("runs", "tensorboard"), args.profile_name
         )
         self.prof, self.steps = None, 0
         if not args.profile_execution or rank not in profile_ranks(args):
             return
+        start, end = args.profile_step_start, args.profile_step_end
+        self.total = end - first_iteration + 1  # profiler steps until the trace is written
+        self.traced = f"iterations {start + 1}-{end}" if end > start + 1 else f"iteration {end}"
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
+        wait = max(start - first_iteration, 0)  # iterations before the warm-up (after --load: fewer)
         self.prof = torch.profiler.profile(
-            activities=acts, schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.folder, f"rank{rank}"), record_shapes=True,
-        )  # fmt: skip
+            activities=acts,
+            schedule=torch.profiler.schedule(wait=wait, warmup=1, active=end - start, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.folder, f"rank{rank}"),
+            record_shapes=True,
+            profile_memory=True,
+            with_stack=True,
+        )
         self.prof.start()
         print(
-            f"> profiling two training steps of rank {rank} into {self.folder} (TensorBoard PyTorch Profiler)",
+            f"> profiling {self.traced} of rank {rank} (warm-up: iteration {start}) into {self.folder} "
+            f"(TensorBoard PyTorch Profiler)",
             flush=True,
         )
 
@@ -272,9 +284,9 @@ class StepProfiler:
             return
         self.prof.step()
         self.steps += 1
-        if self.steps == 3:
+        if self.steps == self.total:
             self.stop()
-            print(f"> profiler trace written under {self.folder}", flush=True)
+            print(f"> profiler trace of {self.traced} written under {self.folder}", flush=True)
 
     def stop(self) -> None:
         if self.prof is not None:

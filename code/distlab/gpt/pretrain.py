@@ -54,8 +54,8 @@ def train(run: Run) -> dict:
     """The training loop, then :func:`finish`; returns the history."""
     args = run.args
     timer = log.Timer(run.ctx.device)  # the one clock: iteration times and --exit-duration-in-mins
-    profiler = log.StepProfiler(args, run.state.rank)
     first_iteration = run.iteration + 1  # of this run (after --load)
+    profiler = log.StepProfiler(args, run.state.rank, first_iteration)
     print_on(run.rank0, "> training ...")
     run.model.train()
     while run.iteration < args.train_iters:
