@@ -255,9 +255,14 @@ def init_distributed(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # env:// reuses torchrun's own store when there is one; other launchers get ours.
+        # env:// reuses torchrun's own store when there is one; other launchers get ours. Ranks
+        # found in Slurm's, MPI's or PBS's variables are also exported as torchrun's, for the
+        # libraries that read only those (DeepSpeed asserts LOCAL_RANK).
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        for name, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
+                            ("LOCAL_WORLD_SIZE", env.local_world_size)):  # fmt: skip
+            os.environ.setdefault(name, str(value))
         dist.init_process_group(
             backend=backend,
             init_method="env://",
