@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+import torch
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.flops import model_flops_per_iteration
-from distlab.gpt.log import ITERATION_RE, iteration_line, validation_lines
+from distlab.gpt.log import ITERATION_RE, StepProfiler, iteration_line, validation_lines
 from distlab.gpt.optimizer import LRSchedule
 
 # The line of the issue, which the notebooks grep (Megatron-LM's training_log).
@@ -72,3 +74,39 @@ def test_model_flops_formula():
     assert 0.8e12 < f < 1.0e12
     args.recompute_activations = True
     assert model_flops_per_iteration(args, 50304) == pytest.approx(f * 4 / 3)
+
+
+def _profiled_iterations(tmp_path, capsys, first_iteration, last_iteration, start=3, end=5):
+    """A tiny model's iterations ``first_iteration..last_iteration`` under StepProfiler, as the
+    training loop drives it; returns the trace's events (None without a trace) and the printed log."""
+    args = PretrainArgs(profile_execution=True, profile_name="tiny", tensorboard_dir=str(tmp_path),
+                        profile_step_start=start, profile_step_end=end, train_iters=6)  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    profiler = StepProfiler(args, rank=0, first_iteration=first_iteration)
+    for _ in range(first_iteration, last_iteration + 1):
+        model(torch.randn(8, 16)).square().mean().backward()  # (b, 16)
+        profiler.step()
+    profiler.stop()
+    traces = sorted((tmp_path / "tiny").glob("rank0.*.pt.trace.json"))
+    events = json.loads(traces[0].read_text())["traceEvents"] if traces else None
+    return events, capsys.readouterr().out
+
+
+def test_profiler_traces_the_chosen_iterations_with_memory_and_stacks(tmp_path, capsys):
+    events, out = _profiled_iterations(tmp_path, capsys, first_iteration=1, last_iteration=6)
+    steps = {e["name"] for e in events if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#4", "ProfilerStep#5"}  # warm-up on 3 (not written), traced 4 and 5
+    assert "> profiling iterations 4-5 of rank 0 (warm-up: iteration 3)" in out
+    assert f"> profiler trace of iterations 4-5 written under {tmp_path / 'tiny'}" in out
+    assert any(e.get("name") == "[memory]" for e in events)  # profile_memory: allocations and frees
+    assert any(e.get("cat") == "python_function" for e in events)  # with_stack: Python frames
+    assert any(e.get("args", {}).get("Input Dims") for e in events)  # record_shapes
+
+
+def test_profiler_after_load_keeps_iteration_numbers_and_refuses_a_missed_warm_up(tmp_path, capsys):
+    events, _ = _profiled_iterations(tmp_path / "a", capsys, first_iteration=2, last_iteration=5)
+    steps = {e["name"] for e in events if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#4", "ProfilerStep#5"}  # resumed at 2: the same iterations
+    events, out = _profiled_iterations(tmp_path / "b", capsys, first_iteration=4, last_iteration=6)
+    assert events is None
+    assert "this run starts at iteration 4, after the warm-up iteration 3" in out

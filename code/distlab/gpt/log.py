@@ -244,34 +244,49 @@ class StepProfiler:
 
         schedule(wait=start - 1, warmup=1, active=end - start)      defaults 1, 3: traced 2 and 3
 
-    with shapes, memory (allocations and frees: the Memory view's curve) and Python stacks. Rank r's
-    trace lands in ``<tensorboard-dir>/<profile-name>/rank<r>.<time>.pt.trace.json``, the layout
-    TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``), one
-    worker per rank: ``--profile-ranks 0,2`` shows both stages of a TP=2 x PP=2 run.
+    counted in iterations, so that the trace's ``ProfilerStep#N`` is iteration N (also after
+    ``--load``), with shapes, memory (allocations and frees: the Memory view's curve) and Python
+    stacks. Rank r's trace lands in ``<tensorboard-dir>/<profile-name>/rank<r>.<time>.pt.trace.json``,
+    the layout TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``),
+    one worker per rank: ``--profile-ranks 0,2`` shows both stages of a TP=2 x PP=2 run.
     """
 
     def __init__(self, args: PretrainArgs, rank: int, first_iteration: int = 1) -> None:
         self.folder = os.path.join(
             args.tensorboard_dir or os.path.join("runs", "tensorboard"), args.profile_name
         )
-        self.prof, self.steps = None, 0
+        self.prof = None
         if not args.profile_execution or rank not in profile_ranks(args):
             return
-        start, end = args.profile_step_start, args.profile_step_end
-        self.total = end - first_iteration + 1  # profiler steps until the trace is written
-        self.traced = f"iterations {start + 1}-{end}" if end > start + 1 else f"iteration {end}"
+        self.end = args.profile_step_end
+        start = args.profile_step_start
+        self.traced = (
+            f"iterations {start + 1}-{self.end}" if self.end > start + 1 else f"iteration {self.end}"
+        )
+        if first_iteration > start:  # resumed (--load) past the warm-up
+            print(
+                f"> not profiling rank {rank}: this run starts at iteration {first_iteration}, after the "
+                f"warm-up iteration {start}; set --profile-step-start {first_iteration} or later",
+                flush=True,
+            )
+            return
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
-        wait = max(start - first_iteration, 0)  # iterations before the warm-up (after --load: fewer)
         self.prof = torch.profiler.profile(
             activities=acts,
-            schedule=torch.profiler.schedule(wait=wait, warmup=1, active=end - start, repeat=1),
+            # skip_first=1: the schedule is asked about iteration numbers, and there is no iteration 0
+            schedule=torch.profiler.schedule(
+                skip_first=1, wait=start - 1, warmup=1, active=self.end - start, repeat=1
+            ),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(self.folder, f"rank{rank}"),
             record_shapes=True,
             profile_memory=True,
             with_stack=True,
         )
+        # torch counts profiler steps from 0; start the count at this run's first iteration instead
+        self.prof.step_num = first_iteration
+        self.prof.current_action = self.prof.schedule(first_iteration)
         self.prof.start()
         print(
             f"> profiling {self.traced} of rank {rank} (warm-up: iteration {start}) into {self.folder} "
@@ -280,11 +295,11 @@ class StepProfiler:
         )
 
     def step(self) -> None:
+        """End of an iteration: the profiler moves to the next one; after ``end``, the trace is written."""
         if self.prof is None:
             return
         self.prof.step()
-        self.steps += 1
-        if self.steps == self.total:
+        if self.prof.step_num > self.end:
             self.stop()
             print(f"> profiler trace of {self.traced} written under {self.folder}", flush=True)
 
