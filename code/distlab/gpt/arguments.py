@@ -116,7 +116,9 @@ class PretrainArgs:
     save: str = _f(None, "checkpoint directory to write")
     load: str = _f(None, "checkpoint directory to resume from")
     save_interval: int = _f(None, "iterations between checkpoints (and one at the end)")
-    profile_execution: bool = _f(False, "torch.profiler trace of --profile-step-start+1..end (True|False)", tf=True)
+    profile_execution: bool = _f(
+        False, "torch.profiler trace of --profile-step-start+1..end (True|False)", tf=True
+    )
     profile_name: str = _f("profile", "run name of the trace under --tensorboard-dir")
     profile_ranks: str = _f("0", "global ranks that write a trace, e.g. 0,2: one per pipeline stage")
     profile_step_start: int = _f(1, "the profiler warms up on this iteration and traces the next ones")

@@ -126,4 +126,3 @@ def bubble_summary(timeline: dict) -> str:
         f"bubble measured {timeline['measured_bubble']:.1%} vs theoretical (p-1)/(m+p-1) = "
         f"{timeline['theoretical_bubble']:.1%}"
     )
-
