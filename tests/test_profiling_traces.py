@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.log import StepProfiler
 from distlab.profiling.plots import plot_breakdown, plot_memory, plot_top_operators
 from distlab.profiling.traces import GROUPS, find_traces, load_run
 from tests.test_gpt_training import TINY
@@ -28,19 +30,20 @@ def dp2_trace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def memory_trace(tmp_path_factory):
-    """A run folder with one trace of two training steps of an MLP, with memory events."""
-    folder = tmp_path_factory.mktemp("mem") / "mlp"
+    """A run folder with the engine's profiler trace (StepProfiler: memory, shapes, stacks) of an
+    MLP's iterations 2 and 3, after the warm-up on iteration 1."""
+    tb = tmp_path_factory.mktemp("mem")
+    args = PretrainArgs(profile_execution=True, profile_name="mlp", tensorboard_dir=str(tb), train_iters=3)
     model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 256))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1)
-    handler = torch.profiler.tensorboard_trace_handler(str(folder), "rank0")
-    with torch.profiler.profile(schedule=sched, on_trace_ready=handler, profile_memory=True) as prof:
-        for _ in range(3):
-            model(torch.randn(128, 256)).square().mean().backward()  # activations: 2 x (128, 2048) fp32
-            opt.step()
-            opt.zero_grad()
-            prof.step()
-    return folder
+    profiler = StepProfiler(args, rank=0)
+    for _ in range(args.train_iters):
+        model(torch.randn(128, 256)).square().mean().backward()  # activations: 2 x (128, 2048) fp32
+        opt.step()
+        opt.zero_grad()
+        profiler.step()
+    profiler.stop()
+    return tb / "mlp"
 
 
 def test_the_plugins_loader_finds_the_run_and_its_step_breakdown(dp2_trace):
@@ -60,7 +63,7 @@ def test_the_plugins_loader_finds_the_run_and_its_step_breakdown(dp2_trace):
         "CPU Exec",
         "Other",
     ]
-    assert [row[0] for row in overview["steps"]["rows"]] == ["1", "2"]  # the two traced steps
+    assert [row[0] for row in overview["steps"]["rows"]] == ["2", "3"]  # iterations 2, 3 (defaults 1, 3)
 
 
 def test_profile_ranks_choose_which_ranks_write_a_trace(tmp_path):
@@ -93,7 +96,7 @@ def test_memory_rises_in_forward_and_falls_in_backward(memory_trace):
     t = load_run(memory_trace)["rank0"]
     times, mib = t.memory_curve()
     steps = t.steps_ms()
-    assert [s["step"] for s in steps] == ["ProfilerStep#1", "ProfilerStep#2"]
+    assert [s["step"] for s in steps] == ["ProfilerStep#2", "ProfilerStep#3"]  # iterations 2 and 3
     for s in steps:
         assert s["start"] < s["backward"] < s["end"]
         inside = [(x, m) for x, m in zip(times, mib, strict=True) if s["start"] <= x <= s["end"]]

@@ -40,6 +40,11 @@ def plot_breakdown(runs: dict[str, dict[str, Trace]], ax=None):
     return ax
 
 
+def _label(trace: Trace) -> str:
+    """``run/profile-name / worker``, e.g. ``prof-dp1/trace / rank0``."""
+    return f"{trace.path.parent.parent.name}/{trace.path.parent.name} / {trace.worker}"
+
+
 def plot_top_operators(trace: Trace, n: int = 10, ax=None):
     """Horizontal bars of the ``n`` operators with the largest self time (the Operator view)."""
     rows = trace.top_operators(n)
@@ -47,7 +52,7 @@ def plot_top_operators(trace: Trace, n: int = 10, ax=None):
     ax.barh([f"{r['name']} (x{r['calls']})" for r in rows], [r["host_self_duration"] / 1000 for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("self time over the traced steps (ms)")
-    ax.set_title(f"Top operators, {trace.path.parent.name} / {trace.worker}")
+    ax.set_title(f"Top operators, {_label(trace)}")
     return ax
 
 
@@ -65,7 +70,7 @@ def plot_memory(trace: Trace, ax=None):
         ax.text(s["start"], max(mib), f" {s['step']}", fontsize=7, va="top")
     ax.set_xlabel("time since the profiler started (ms); shaded: backward")
     ax.set_ylabel("allocated (MB)")
-    ax.set_title(f"Memory, {trace.path.parent.name} / {trace.worker}")
+    ax.set_title(f"Memory, {_label(trace)}")
     return ax
 
 
