@@ -28,6 +28,7 @@ import tempfile
 import torch
 
 from distlab import REPO_ROOT
+from distlab.distributed import free_port
 from distlab.gpt.local_run import prepare_data
 from distlab.logs.memory import prediction
 
@@ -55,6 +56,7 @@ def measure(row: tuple, data: list[str], env: dict[str, str]) -> dict:
            "--train-iters", "2", "--lr", "1e-4", "--eval-iters", "0", "--split", "98,1,1", "--log-interval", "1"]  # fmt: skip
     cmd += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[precision]
     cmd += ["--recompute-activations"] if recompute else []
+    env = {**env, "MASTER_PORT": str(free_port())}  # 29500 may be another run's on a shared machine
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     found = prediction(done.stdout)
     if done.returncode or not found:

@@ -166,15 +166,19 @@ class MemoryEstimate:
         return max(step, fwd_bwd)
 
 
+def _zero_shards(c: MemorySetup, stage: int) -> int:
+    """Ranks a model state is split over: dp from the ZeRO stage that shards it on, else 1."""
+    return c.dp if c.zero_stage >= stage else 1
+
+
 def estimate(c: MemorySetup) -> MemoryEstimate:
     """Model states (per precision mode, ZeRO stage, offload) and activations of one rank."""
     n = stage_parameters(c)
     deepspeed_mixed = c.zero_stage > 0 and c.precision in _HALF
     p_bytes, g_bytes, k = (2, 2, 12) if deepspeed_mixed else (4, 4, 8)
-    shard = lambda stage: c.dp if c.zero_stage >= stage else 1  # noqa: E731
-    params = n * p_bytes / shard(3)
-    grads = n * g_bytes / shard(2)
-    optim = 0.0 if c.offload else n * k / shard(1)
+    params = n * p_bytes / _zero_shards(c, 3)
+    grads = n * g_bytes / _zero_shards(c, 2)
+    optim = 0.0 if c.offload else n * k / _zero_shards(c, 1)
     if c.offload and c.zero_stage == 3:
         params = 0.0
     if c.zero_stage == 0 and c.dp > 1:
