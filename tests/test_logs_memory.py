@@ -7,6 +7,7 @@ import importlib.util
 from distlab import REPO_ROOT
 from distlab.gpt.memory_estimate import format_prediction
 from distlab.logs import memory
+from distlab.logs.plots import memory_and_time
 
 spec = importlib.util.spec_from_file_location("job_peak_memory", REPO_ROOT / "code" / "job_peak_memory.py")
 job_peak_memory = importlib.util.module_from_spec(spec)
@@ -51,3 +52,19 @@ def test_job_cgroup_found_for_v1_and_v2(tmp_path) -> None:
     line = job_peak_memory.describe(tmp_path, "223")
     assert line == "job 223: peak 1116 MiB of its 1300 MiB limit (memory cgroup v1)"
     assert memory.job_peak(line) == {"peak": 1116.0, "limit": 1300.0}
+
+
+def test_memory_and_time_stacks_the_parts_beside_the_time() -> None:
+    rows = {
+        "plain DP": {"parameters": 56.0, "optimizer state": 112.0, "ms": 900.0, "predicted": 170.0},
+        "ZeRO-1": {"parameters": 56.0, "optimizer state": 56.0, "ms": 950.0, "predicted": 115.0},
+    }
+    parts = {"parameters": "parameters", "optimizer state": "optimizer state"}
+    fig = memory_and_time(rows, parts, "MiB on rank 0", estimate="predicted", log_time=True)
+    mem_ax, time_ax = fig.axes
+    tops = [bar.get_y() + bar.get_height() for bar in mem_ax.patches]  # bars of the parts, in order of parts
+    assert tops == [56.0, 56.0, 168.0, 112.0]
+    assert list(mem_ax.lines[0].get_ydata()) == [170.0, 115.0]
+    assert [t.get_text() for t in mem_ax.get_legend().get_texts()] == ["estimate", *parts]
+    assert [bar.get_height() for bar in time_ax.patches] == [900.0, 950.0]
+    assert [t.get_text() for t in time_ax.texts] == ["900", "950"] and time_ax.get_yscale() == "log"

@@ -1,11 +1,15 @@
 """Throughput across runs, next to a reference: ms/iteration, samples/s, scaling efficiency.
 
+Also notebook 07's memory bars: parts of each run stacked, and memory beside ms/iteration.
+
 Rows are ``distlab.logs.megatron.throughput`` dicts (with ``efficiency`` from
 ``with_efficiency``); the reference is drawn hatched beside them, on its own axis scale per
 panel so that the *shape* of the two series can be compared, not their absolute speed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import matplotlib.pyplot as plt
 
@@ -40,4 +44,37 @@ def plot_scaling(ours: dict[str, dict], reference: dict[str, dict], ours_name: s
             ref_ax.set_ylabel(reference_name, color="tab:orange", fontsize=8)
     fig.legend(bars, [ours_name, reference_name], loc="lower center", ncol=2, fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
+def stacked_bars(ax, rows: Mapping[str, Mapping[str, float]], parts: Mapping[str, str]):
+    """One bar per row, named by its key: ``row[part]`` stacked bottom to top in the order of
+    ``parts`` (row key -> legend label); top of bar i = sum of its parts."""
+    bottom = [0.0] * len(rows)
+    for key, label in parts.items():
+        heights = [row[key] for row in rows.values()]
+        ax.bar(list(rows), heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.legend(fontsize=8)
+    return ax
+
+
+def memory_and_time(
+    rows: Mapping[str, Mapping], parts: Mapping[str, str], memory_label: str, estimate=None, log_time=False
+):
+    """The same runs twice, side by side: left, memory as ``stacked_bars`` (``row[estimate]`` as a
+    black tick when given); right, ``row["ms"]`` per iteration, each bar labelled with its value."""
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    if estimate is not None:
+        mem_ax.plot(
+            list(rows), [row[estimate] for row in rows.values()], "k_", markersize=25, label="estimate"
+        )
+    stacked_bars(mem_ax, rows, parts).set_ylabel(memory_label)
+    time_ax.bar_label(time_ax.bar(list(rows), [row["ms"] for row in rows.values()], color="C3"), fmt="%.0f")
+    time_ax.set_ylabel("ms per iteration (log scale)" if log_time else "ms per iteration")
+    if log_time:
+        time_ax.set_yscale("log")
+    for ax in (mem_ax, time_ax):
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
     return fig
