@@ -12,9 +12,15 @@ dataset of ``data/gpt``) and reads the line the driver prints after the first it
 so what is benchmarked is what learners see: ``memory_estimate.estimate(...).peak()`` against,
 on the CPU, the peak resident set above the resident set before the model (after a one-layer
 warm-up step), and on a GPU ``torch.cuda.max_memory_allocated`` (target: 15% on the CPU, 10% on a
-GPU). The second pass sets ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every block above 64
-KiB on its own and returns it on free, so freed tensors no longer stay resident; the difference
-between the passes is what the allocator keeps, which the estimate does not model.
+GPU). The estimate counts live tensors; the resident set also holds what the allocator keeps.
+glibc's malloc maps a block above its threshold on its own and returns it on free, but the
+threshold starts at 128 KiB and rises to the size of every mapped block freed (up to 32 MiB), and
+the heap's free top is kept up to twice that: after the first large tensor is freed, tensors up to
+32 MiB come from the heap and stay resident when freed (the forward's temporaries under
+recomputation, the first micro-batch's activations under accumulation). The second pass sets
+``MALLOC_MMAP_THRESHOLD_=65536``, which fixes the threshold: every block above 64 KiB is mapped
+and returned on free, so the measured peak is the live tensors'; the difference between the two
+passes is what glibc keeps.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from distlab import REPO_ROOT
 from distlab.distributed import free_port
 from distlab.gpt.local_run import prepare_data
+from distlab.gpt.log import ITERATION_RE
 from distlab.logs.memory import prediction
 
 GRID = [  # (micro batch b, layers L, hidden h, recompute, precision, accumulation); s = 128, heads h / 32
@@ -49,6 +56,8 @@ SEQ = 128
 
 
 def measure(row: tuple, data: list[str], env: dict[str, str]) -> dict:
+    """One fresh ``pretrain_gpt.py`` run of ``row``: its prediction line as numbers (MiB, %) and the
+    second iteration's ms; raises with the command and the output's tail when the run fails."""
     b, L, h, recompute, precision, accumulation = row
     cmd = [sys.executable, str(REPO_ROOT / "code" / "pretrain_gpt.py"), *data,
            "--num-layers", str(L), "--hidden-size", str(h), "--num-attention-heads", str(h // 32),
@@ -59,31 +68,32 @@ def measure(row: tuple, data: list[str], env: dict[str, str]) -> dict:
     env = {**env, "MASTER_PORT": str(free_port())}  # 29500 may be another run's on a shared machine
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     found = prediction(done.stdout)
-    if done.returncode or not found:
+    its = [m for m in map(ITERATION_RE.match, done.stdout.splitlines()) if m]
+    if done.returncode or not found or len(its) != 2:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return found
+    return {**found, "ms": float(its[1]["ms"])}  # the second iteration: the first pays for page faults
 
 
-def run_pass(rows: list[tuple], data: list[str], malloc_threshold: str | None) -> list[float]:
+def run_pass(rows: list[tuple], data: list[str], malloc_threshold: str | None) -> None:
+    """Print one table row per configuration, then the largest and the mean |error|."""
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     if malloc_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = malloc_threshold
     label = f"MALLOC_MMAP_THRESHOLD_={malloc_threshold}" if malloc_threshold else "glibc's default malloc"
     print(f"\n[{label}]")
     print(f"{'b':>3} {'L':>3} {'h':>4} {'recompute':>9} {'prec':>5} {'accum':>5} {'predicted MiB':>14} "
-          f"{'measured MiB':>13} {'error':>7}")  # fmt: skip
+          f"{'measured MiB':>13} {'error':>7} {'ms it 2':>8}")  # fmt: skip
     errors = []
     for row in rows:
         r = measure(row, data, env)
         errors.append(r["error"])
         b, L, h, recompute, precision, accumulation = row
         print(f"{b:>3} {L:>3} {h:>4} {str(recompute):>9} {precision:>5} {accumulation:>5} {r['predicted']:>14.1f} "
-              f"{r['measured']:>13.1f} {r['error']:>+6.1f}%", flush=True)  # fmt: skip
+              f"{r['measured']:>13.1f} {r['error']:>+6.1f}% {r['ms']:>8.0f}", flush=True)  # fmt: skip
     worst = max(errors, key=abs)
     print(
         f"largest |error| {abs(worst):.1f}% ({worst:+.1f}%), mean |error| {sum(map(abs, errors)) / len(errors):.1f}%"
     )
-    return errors
 
 
 def main() -> None:
