@@ -20,7 +20,9 @@ the heap's free top is kept up to twice that: after the first large tensor is fr
 recomputation, the first micro-batch's activations under accumulation). The second pass sets
 ``MALLOC_MMAP_THRESHOLD_=65536``, which fixes the threshold: every block above 64 KiB is mapped
 and returned on free, so the measured peak is the live tensors'; the difference between the two
-passes is what glibc keeps.
+passes is what glibc keeps. It is the rising threshold, not its start: fixed at glibc's own
+starting value (``MALLOC_MMAP_THRESHOLD_=131072``) the accumulation row measured +9.9%, against
++48.8% with the default.
 """
 
 from __future__ import annotations
