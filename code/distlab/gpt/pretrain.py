@@ -84,7 +84,10 @@ def report_memory(run: Run) -> None:
     lines = memory_report(run.model, run.optimizer, run.ctx.device, run.state)
     setup = memory_setup(run.args, run.state, run.vocab_size, run.deepspeed_config)
     predicted = estimate(setup).peak(first_iteration=True, accumulating=run.num_micro_batches > 1)
-    print_on(run.rank0, *lines, format_prediction(predicted, *run.peak_meter.peak()))
+    line = format_prediction(predicted, *run.peak_meter.peak())
+    if run.engine is not None:  # the estimate has ZeRO's shards, not DeepSpeed's flat buffers and buckets
+        line += " (DeepSpeed's own buffers are not in the estimate)"
+    print_on(run.rank0, *lines, line)
 
 
 def log_iteration(run: Run, result: StepResult, lr: float, iter_ms: float, step_ms: float) -> None:
