@@ -58,6 +58,7 @@ A memory budget on a GPU (the sweep of notebook 07 fails at the same micro batch
 
 from __future__ import annotations
 
+import os
 import sys
 
 from distlab.gpt.arguments import ArgumentError
@@ -77,4 +78,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # End as multiprocessing ends its children, without interpreter finalisation: DeepSpeed's
+    # ZeRO-3 keeps the model, and with it the process groups, in module-level caches, and a gloo
+    # thread that frees a tensor while the interpreter finalises aborts a run that went well
+    # ("terminate called without an active exception"). Everything was written and closed.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -24,6 +24,7 @@ of hanging it.
 from __future__ import annotations
 
 import datetime
+import gc
 import io
 import os
 import re
@@ -275,6 +276,21 @@ def init_distributed(
 
 
 def shutdown() -> None:
-    """Destroy the default process group if one was started."""
-    if dist.is_initialized():
+    """Destroy every process group now, while Python is still alive (if one was started).
+
+    A gloo group's worker threads stop only when the last reference to the group goes. Objects
+    in reference cycles (DeepSpeed's engine and ZeRO optimizer, parameters tagged with their
+    group) would keep it alive into interpreter exit, where a worker that drops a tensor must
+    take the GIL after finalisation began and the process aborts ("terminate called without an
+    active exception", now and then, after a run that went well). So: collect the cycles first,
+    and destroy through DeepSpeed where it started the groups, which also drops its own
+    module-level references to them.
+    """
+    gc.collect()
+    if not dist.is_initialized():
+        return
+    deepspeed_comm = sys.modules.get("deepspeed.comm")
+    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+        deepspeed_comm.destroy_process_group()
+    else:
         dist.destroy_process_group()

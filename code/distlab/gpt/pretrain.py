@@ -19,7 +19,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from distlab.distributed import discover, init_distributed, print_on
+from distlab.distributed import discover, init_distributed, print_on, shutdown
 from distlab.gpt import checkpointing, log
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
@@ -42,12 +42,17 @@ def pretrain(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     ctx = init_distributed(args.distributed_backend, timeout_s=60 * args.distributed_timeout_minutes)
+    run = None
     try:
-        return train(build_run(args, ctx))
+        run = build_run(args, ctx)
+        return train(run)
     except torch.OutOfMemoryError as exc:  # CUDA's allocator (and --device-memory-gib's cap)
         raise OutOfMemory(out_of_memory_message(exc, args.micro_batch_size, args.device_memory_gib)) from None
     finally:
-        dist.destroy_process_group()
+        if run is not None and run.engine is not None:
+            run.engine.destroy()  # ZeRO's gradient hooks: reference cycles through C++ that gc cannot see
+        run = None  # unreachable now: shutdown() frees the run, then its groups' threads stop
+        shutdown()
 
 
 def train(run: Run) -> dict:
