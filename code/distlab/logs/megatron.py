@@ -1,8 +1,9 @@
 """Megatron-format logs of ``pretrain_gpt.py`` runs, parsed into numbers.
 
-What a log holds and the function that reads it:
+What a log holds and the function that reads it (each line defined in ``distlab.logs.formats``)::
 
     using world size: W, data-parallel-size: DP, tensor-model-parallel size: TP, ...   parse_banner
+    > global batch size B = micro batch b x data-parallel DP x accumulation steps m       batch_arithmetic
      > number of parameters on (tensor, pipeline) model parallel rank (t, p): N            parameter_counts
     [rank r tp t pp p dp d] memory (MiB): parameters ... | peak RSS M                     memory_rows
      iteration i/ n | consumed samples: ... | elapsed time per iteration (ms): ... |       iterations
@@ -17,31 +18,11 @@ includes warm-up)::
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from distlab.gpt.log import ITERATION_RE
-from distlab.gpt.parallel_state import ParallelDims, ParallelState
-
-BANNER_RE = re.compile(
-    r"using world size: (?P<world>\d+), data-parallel-size: (?P<dp>\d+), "
-    r"tensor-model-parallel size: (?P<tp>\d+), pipeline-model-parallel size: (?P<pp>\d+)"
-)
-PARAMS_RE = re.compile(
-    r"number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)"
-)
-MEMORY_RE = re.compile(
-    r"\[rank (?P<rank>\d+) tp (?P<tp>\d+) pp (?P<pp>\d+) dp (?P<dp>\d+)\] memory \(MiB\): "
-    r"parameters (?P<params_mib>[\d.]+) \((?P<values>[\d,]+) values\) \| gradients (?P<grads_mib>[\d.]+) \| "
-    r"optimizer state (?P<optim_mib>[\d.]+) \| (?P<peak_kind>peak RSS|CUDA max allocated) (?P<peak_mib>[\d.]+)"
-)
-BATCH_RE = re.compile(
-    r"> global batch size (?P<global_batch>\d+) = micro batch (?P<micro_batch>\d+) x data-parallel (?P<dp>\d+) "
-    r"x accumulation steps (?P<accumulation>\d+)"
-)
-THROUGHPUT_RE = re.compile(
-    r"tokens per second: (?P<tokens>[\d.]+) \| TFLOP/s per device: (?P<tflops>[\d.]+) \|"
-)
+from distlab.gpt.layout import Layout
+from distlab.gpt.parallel_state import ParallelState
+from distlab.logs.formats import BANNER, BATCH, ITERATION, MEMORY, PARAMETERS, RANK_COORDS
 
 #: Reference (a well-known course): 12 layers, hidden 768, 32 heads, seq 1024, V100 16 GB, 100 iterations.
 #: label -> (devices, global batch, ms per iteration)
@@ -54,7 +35,7 @@ REFERENCE_V100 = {
 
 def banner_line(world_size: int, tp: int = 1, pp: int = 1) -> str:
     """The exact start-up line a run of this layout prints (the engine's own formatting)."""
-    return ParallelState(dims=ParallelDims(world_size, tp, pp), rank=0).banner()
+    return ParallelState(layout=Layout(world_size, tp, pp), rank=0).banner()
 
 
 @dataclass(frozen=True)
@@ -72,58 +53,46 @@ class Banner:
 
 def parse_banner(text: str) -> Banner:
     """The layout from the ``using world size:`` line; raise when the log has none."""
-    m = BANNER_RE.search(text)
-    if m is None:
+    found = BANNER.search(text)
+    if found is None:
         raise ValueError(
             "no 'using world size: ...' line in this log: the run failed before it set up its "
             "process groups (look at the log's error lines)"
         )
-    return Banner(int(m["world"]), int(m["dp"]), int(m["tp"]), int(m["pp"]))
+    return Banner(**found)
 
 
 def split_runs(text: str) -> list[str]:
     """The log of a job that ran several trainings, cut before each ``using world size:`` line."""
-    starts = [m.start() for m in BANNER_RE.finditer(text)]
+    starts = [m.start() for m in BANNER.regex.finditer(text)]
     return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
 
 
 def batch_arithmetic(text: str) -> dict[str, int]:
     """The run's ``global = micro x dp x accumulation`` line as numbers (empty when absent)."""
-    m = BATCH_RE.search(text)
-    return {k: int(v) for k, v in m.groupdict().items()} if m else {}
+    return BATCH.search(text) or {}
 
 
 def iterations(text: str) -> list[dict]:
     """Every iteration line as numbers: it, total, samples, ms, lr, gbs, loss, scale (the loss
-    scale), skipped (skipped iterations in the interval), tokens_per_s, tflops."""
-    rows = []
-    for line in text.splitlines():
-        m = ITERATION_RE.match(line)
-        if m is None:
-            continue
-        row = {k: int(m[k]) for k in ("it", "total", "samples", "gbs", "skipped")}
-        row.update({k: float(m[k]) for k in ("ms", "lr", "loss", "scale")})
-        t = THROUGHPUT_RE.search(line)
-        if t is not None:
-            row.update(tokens_per_s=float(t["tokens"]), tflops=float(t["tflops"]))
-        rows.append(row)
-    return rows
+    scale), gnorm (absent on a skipped step), skipped and nan (iterations in the interval), and
+    when printed tokens_per_s, tflops, mfu_percent."""
+    return ITERATION.parse(text)
 
 
 def parameter_counts(text: str) -> dict[tuple[int, int], int]:
     """(tp_rank, pp_rank) -> parameters that model-parallel rank holds."""
-    return {(int(t), int(p)): int(n) for t, p, n in PARAMS_RE.findall(text)}
+    return {(r["tp_rank"], r["pp_rank"]): r["parameters"] for r in PARAMETERS.parse(text)}
 
 
 def memory_rows(text: str) -> list[dict]:
-    """The per-rank memory report printed after the first iteration, one dict per rank."""
+    """The per-rank memory report printed after the first iteration, one dict per rank with its
+    coordinates: rank, tp, pp, dp, values, params_mib, grads_mib, optim_mib, peak_kind, peak_mib."""
     rows = []
-    for m in MEMORY_RE.finditer(text):
-        row = {k: int(m[k]) for k in ("rank", "tp", "pp", "dp")}
-        row["values"] = int(m["values"].replace(",", ""))
-        row.update({k: float(m[k]) for k in ("params_mib", "grads_mib", "optim_mib", "peak_mib")})
-        row["peak_kind"] = m["peak_kind"]
-        rows.append(row)
+    for row in MEMORY.parse(text):
+        coords = RANK_COORDS.search(row.pop("coords"))
+        if coords is not None:
+            rows.append(row | coords)
     return sorted(rows, key=lambda r: r["rank"])
 
 

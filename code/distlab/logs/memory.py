@@ -10,28 +10,18 @@ from __future__ import annotations
 import re
 import statistics
 
+from distlab.logs.formats import PREDICTION
 from distlab.logs.megatron import batch_arithmetic, iterations
 
-PREDICTION_RE = re.compile(
-    r"> memory: predicted peak (?P<predicted>[\d.]+) MiB \| measured (?P<measured>[\d.]+) MiB "
-    r"\((?P<how>.*?)(?: above the (?P<baseline>\d+) MiB before the model)?\) \| error (?P<error>[+-][\d.]+)%"
-)
 JOB_PEAK_RE = re.compile(r"job \d+: peak (?P<peak>\d+) MiB of its (?P<limit>\d+) MiB limit")
 OOM_RE = re.compile(r"out of memory|oom-kill|OutOfMemoryError", re.IGNORECASE)
 
 
 def prediction(text: str) -> dict:
-    """The first prediction line as numbers (MiB; baseline 0 when the line names none); {} if absent."""
-    m = PREDICTION_RE.search(text)
-    if m is None:
-        return {}
-    return {
-        "predicted": float(m["predicted"]),
-        "measured": float(m["measured"]),
-        "baseline": float(m["baseline"] or 0),
-        "error": float(m["error"]),
-        "how": m["how"],
-    }
+    """The first prediction line: predicted, measured, baseline (MiB; 0 when the line names none),
+    error (%), how; {} if absent."""
+    found = PREDICTION.search(text)
+    return {} if found is None else found | {"baseline": found.get("baseline", 0.0)}
 
 
 def job_peak(text: str) -> dict:
