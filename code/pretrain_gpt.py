@@ -40,6 +40,14 @@ The course's exercise layout, tensor parallel 2 x pipeline parallel 2 over 2 nod
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b \\
         --pipeline-timeline runs/gpt/timeline.json    # plot: distlab.gpt.pipeline_plot.plot_timelines
 
+Restarts: when a rank dies, torchrun stops the others and starts all of them again, up to
+--max-restarts times. With --load equal to --save the new attempt resumes from the latest
+checkpoint by itself and says so ("> restart 1 of torchrun's --max-restarts 2: resuming from
+iteration 6, ..."); the iterations after that checkpoint are recomputed, to the same losses::
+
+    torchrun --standalone --nproc-per-node=4 --max-restarts 2 code/pretrain_gpt.py $ARGS \\
+        --save runs/gpt/ckpt --load runs/gpt/ckpt --save-interval 10
+
 One srun task per rank, without torchrun (ranks from SLURM_PROCID)::
 
     srun --ntasks-per-node=2 python code/pretrain_gpt.py $ARGS

@@ -19,6 +19,16 @@ so every rank of a job agrees without talking first.
 The backend follows the hardware: ``nccl`` when CUDA is present, else ``gloo``. Every process
 group is created with a timeout, so a missing or dead rank fails the job with a message instead
 of hanging it.
+
+Restarts (``torchrun --max-restarts N``): torchrun's agent serves one TCP store at
+``MASTER_ADDR:MASTER_PORT`` for its whole life, and since PyTorch 2.5 the workers of every attempt
+share it without a per-attempt prefix (pytorch/pytorch#135712, #135957). A restarted worker then
+reads the keys its killed predecessors left there (gloo's addresses of processes that no longer
+exist): ``init_process_group`` fails with "Connection refused", or waits until the group's
+timeout, printing nothing.
+:func:`init_distributed` therefore starts each attempt's group in a fresh namespace of that store,
+named by rank 0 of the attempt and confirmed by every other rank (:func:`agent_store_namespace`),
+and counts the attempts there (``DistContext.restart``).
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ import os
 import re
 import socket
 import sys
+import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,11 +210,15 @@ def cap_cpu_threads(local_world_size: int) -> str:
 
 @dataclass(frozen=True)
 class DistContext:
-    """A started process group: who we are, where we compute, how we talk."""
+    """A started process group: who we are, where we compute, how we talk, which attempt this is."""
 
     env: DistEnv
     backend: str
     device: torch.device
+    #: Attempts of this job that torchrun started before this one (0: the first).
+    restart: int = 0
+    #: torchrun's ``--max-restarts`` (0 for other launchers).
+    max_restarts: int = 0
 
     @property
     def rank(self) -> int:
@@ -240,6 +256,78 @@ def print_on(on: bool, *lines: str) -> None:
         sys.stdout.flush()
 
 
+def agent_store_serves(env: DistEnv) -> bool:
+    """Whether torchrun's agent serves the rendezvous store at ``env``'s address (it says so in
+    ``TORCHELASTIC_USE_AGENT_STORE``, for its own ``MASTER_ADDR:MASTER_PORT`` only)."""
+    return (
+        env.launcher == "torchrun"
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("MASTER_ADDR") == env.master_addr
+        and os.environ.get("MASTER_PORT") == str(env.master_port)
+    )
+
+
+def _wait_keys(store: dist.Store, keys: list[str], deadline: float, what: str) -> None:
+    """``store.wait(keys)`` until ``deadline`` (monotonic); past it, a TimeoutError naming ``what``."""
+    left = deadline - time.monotonic()
+    try:
+        if left <= 0:
+            raise dist.DistStoreError("deadline passed")
+        store.wait(keys, datetime.timedelta(seconds=left))
+    except dist.DistStoreError:
+        raise TimeoutError(what) from None
+
+
+def agent_store_namespace(
+    store: dist.Store, rank: int, world_size: int, timeout_s: float, where: str = "in torchrun's store"
+) -> tuple[str, int]:
+    """Agree with every rank of this attempt on a namespace of torchrun's store that no earlier
+    attempt used; return it and the number of earlier attempts (rank 0's count, shared).
+
+    Rank 0 counts its start (``starts``), draws a token ``<attempt>.<random>`` and publishes it as
+    ``leader``. Every other rank answers the token it reads with a random word of its own
+    (``<token>/ack/<rank>``) and takes the token once rank 0 echoes that word back
+    (``<token>/go/<rank>``). A ``leader`` left by a killed attempt is never echoed with a word of
+    this attempt, so a rank that read it reads again until rank 0 of this attempt has written
+    its own. Every wait ends after ``timeout_s`` with a TimeoutError that names what it waited for.
+    """
+    deadline = time.monotonic() + timeout_s
+    if rank == 0:
+        attempt = store.add("starts", 1) - 1
+        token = f"{attempt}.{uuid.uuid4().hex}"
+        store.set("leader", token)
+        acks = [f"{token}/ack/{r}" for r in range(1, world_size)]
+        if acks:
+            try:
+                _wait_keys(store, acks, deadline, "")
+            except TimeoutError:
+                missing = [r for r, key in enumerate(acks, start=1) if not store.check([key])]
+                raise TimeoutError(
+                    f"rank 0 waited {timeout_s:.0f} s {where} for ranks {missing} to join attempt "
+                    f"{attempt} of this torchrun job: are they alive, and started by the same torchrun?"
+                ) from None
+            store.multi_set([f"{token}/go/{r}" for r in range(1, world_size)], store.multi_get(acks))
+        return token, attempt
+    word, answered = uuid.uuid4().hex.encode(), None
+    _wait_keys(
+        store, ["leader"], deadline, f"rank {rank} waited {timeout_s:.0f} s {where} for rank 0 to start"
+    )
+    while True:  # "leader" stays once written: poll it
+        token = store.get("leader").decode()
+        if token != answered:
+            store.set(f"{token}/ack/{rank}", word)
+            answered = token
+        go = f"{token}/go/{rank}"
+        if store.check([go]) and store.get(go) == word:
+            return token, int(token.split(".")[0])
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank {rank} waited {timeout_s:.0f} s {where} for rank 0 of this attempt: the last "
+                f"leader it read, {token}, never answered (left by an attempt that was killed?)"
+            )
+        time.sleep(0.05)
+
+
 def init_distributed(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -247,7 +335,10 @@ def init_distributed(
 ) -> DistContext:
     """Start the default process group for this process (also for a world of one).
 
-    Also makes stdout write whole lines (:func:`whole_line_stdout`): ranks share the job's log.
+    Under torchrun, in a namespace of its agent's store that no earlier attempt used (see the
+    module docstring: a restarted job would otherwise read its dead predecessors' addresses and
+    hang); elsewhere env://, with rank 0 serving the store. Also makes stdout write whole lines
+    (:func:`whole_line_stdout`): ranks share the job's log.
     """
     whole_line_stdout()
     env = env or discover()
@@ -255,24 +346,34 @@ def init_distributed(
     device = pick_device(backend, env.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
     if not dist.is_initialized():
-        # env:// reuses torchrun's own store when there is one; other launchers get ours. Ranks
-        # found in Slurm's, MPI's or PBS's variables are also exported as torchrun's, for the
-        # libraries that read only those (DeepSpeed asserts LOCAL_RANK).
+        # Ranks found in Slurm's, MPI's or PBS's variables are also exported as torchrun's, for
+        # the libraries that read only those (DeepSpeed asserts LOCAL_RANK).
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         for name, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
                             ("LOCAL_WORLD_SIZE", env.local_world_size)):  # fmt: skip
             os.environ.setdefault(name, str(value))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        rendezvous: dict = {"init_method": "env://"}
+        if agent_store_serves(env):
+            agent = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+            where = f"in torchrun's store at {env.master_addr}:{env.master_port}"
+            token, restart = agent_store_namespace(
+                dist.PrefixStore("distlab", agent), env.rank, env.world_size, timeout_s, where
+            )
+            rendezvous = {"store": dist.PrefixStore(f"distlab/{token}/group", agent)}
         dist.init_process_group(
             backend=backend,
-            init_method="env://",
             rank=env.rank,
             world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            **rendezvous,
         )
-    return DistContext(env=env, backend=backend, device=device)
+    return DistContext(env=env, backend=backend, device=device, restart=restart, max_restarts=max_restarts)
 
 
 def shutdown() -> None:

@@ -12,7 +12,9 @@ to ``iter_0000020`` and only then replaces the tracker file (write to a temporar
 
 A checkpoint holds the model, the optimizer, the loss scaler, the RNG states, the iteration and
 the consumed samples; data order is a function of consumed samples, so a resumed run continues the
-same trajectory.
+same trajectory. That is what ``torchrun --max-restarts N`` relies on: with ``--load`` equal to
+``--save``, a restarted attempt resumes from the latest checkpoint by itself, and says so
+(:func:`resume_line`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.parallel_state import ParallelState
 
@@ -158,3 +161,21 @@ def load_checkpoint(
     optimizer.load_state_dict(ckpt["optimizer"])
     _set_rng_state(ckpt["rng"])
     return ckpt["iteration"], ckpt["consumed_samples"], ckpt["scaler"]
+
+
+def resume_line(load: str, iteration: int | None, ctx: DistContext) -> str:
+    """The start-up line about ``--load``: the checkpoint's iteration (``None``: none yet), and for
+    an attempt that torchrun restarted, which restart it is and what gets recomputed."""
+    if ctx.restart == 0:
+        if iteration is None:
+            return f"> no checkpoint in {load}: starting from scratch"
+        return f"> loaded checkpoint from {load} at iteration {iteration}"
+    restart = f"> restart {ctx.restart} of torchrun's --max-restarts {ctx.max_restarts}"
+    if iteration is None:
+        return (
+            f"{restart}: no checkpoint in {load} yet, starting from scratch (iterations from 1 on recomputed)"
+        )
+    return (
+        f"{restart}: resuming from iteration {iteration}, the latest checkpoint in {load} "
+        f"(iterations from {iteration + 1} to where the previous attempt stopped are recomputed)"
+    )
