@@ -41,17 +41,25 @@ from distlab.gpt.local_run import prepare_data
 from distlab.gpt.log import ITERATION_RE
 from distlab.logs.memory import prediction
 
-GRID = [  # (micro batch b, layers L, hidden h, recompute, precision, accumulation); s = 128, heads h / 32
-    (8, 2, 128, False, "fp32", 1),
-    (32, 2, 128, False, "fp32", 1),
-    (64, 4, 128, False, "fp32", 1),
-    (16, 4, 256, False, "fp32", 1),
-    (16, 4, 256, True, "fp32", 1),
-    (64, 4, 128, True, "fp32", 1),
-    (16, 8, 256, False, "fp32", 1),
-    (4, 4, 128, False, "fp32", 4),
-    (8, 4, 128, False, "bf16", 1),
-    (8, 4, 128, True, "bf16", 1),
+RECOMPUTE = {  # the grid's recompute column -> pretrain_gpt.py's flags
+    "-": [],
+    "full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split(),
+    "selective": ["--recompute-activations"],
+}
+GRID = [  # (micro batch b, layers L, hidden h, recompute, precision, accumulation, --attention-backend);
+    # s = 128, heads h / 32
+    (8, 2, 128, "-", "fp32", 1, "auto"),
+    (32, 2, 128, "-", "fp32", 1, "auto"),
+    (64, 4, 128, "-", "fp32", 1, "auto"),
+    (16, 4, 256, "-", "fp32", 1, "auto"),
+    (16, 4, 256, "full", "fp32", 1, "auto"),
+    (64, 4, 128, "full", "fp32", 1, "auto"),
+    (16, 8, 256, "-", "fp32", 1, "auto"),
+    (4, 4, 128, "-", "fp32", 4, "auto"),
+    (8, 4, 128, "-", "bf16", 1, "auto"),
+    (8, 4, 128, "full", "bf16", 1, "auto"),
+    (32, 4, 128, "-", "fp32", 1, "unfused"),
+    (32, 4, 128, "selective", "fp32", 1, "unfused"),
 ]
 QUICK = [GRID[0], GRID[2], GRID[4], GRID[8]]
 SEQ = 128
@@ -60,13 +68,13 @@ SEQ = 128
 def measure(row: tuple, data: list[str], env: dict[str, str]) -> dict:
     """One fresh ``pretrain_gpt.py`` run of ``row``: its prediction line as numbers (MiB, %) and the
     second iteration's ms; raises with the command and the output's tail when the run fails."""
-    b, L, h, recompute, precision, accumulation = row
+    b, L, h, recompute, precision, accumulation, attention = row
     cmd = [sys.executable, str(REPO_ROOT / "code" / "pretrain_gpt.py"), *data,
            "--num-layers", str(L), "--hidden-size", str(h), "--num-attention-heads", str(h // 32),
            "--seq-length", str(SEQ), "--micro-batch-size", str(b), "--global-batch-size", str(b * accumulation),
            "--train-iters", "2", "--lr", "1e-4", "--eval-iters", "0", "--split", "98,1,1", "--log-interval", "1"]  # fmt: skip
     cmd += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[precision]
-    cmd += ["--recompute-activations"] if recompute else []
+    cmd += RECOMPUTE[recompute] + ["--attention-backend", attention]
     env = {**env, "MASTER_PORT": str(free_port())}  # 29500 may be another run's on a shared machine
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     found = prediction(done.stdout)
@@ -83,15 +91,15 @@ def run_pass(rows: list[tuple], data: list[str], malloc_threshold: str | None) -
         env["MALLOC_MMAP_THRESHOLD_"] = malloc_threshold
     label = f"MALLOC_MMAP_THRESHOLD_={malloc_threshold}" if malloc_threshold else "glibc's default malloc"
     print(f"\n[{label}]")
-    print(f"{'b':>3} {'L':>3} {'h':>4} {'recompute':>9} {'prec':>5} {'accum':>5} {'predicted MiB':>14} "
-          f"{'measured MiB':>13} {'error':>7} {'ms it 2':>8}")  # fmt: skip
+    print(f"{'b':>3} {'L':>3} {'h':>4} {'recompute':>9} {'prec':>5} {'accum':>5} {'attention':>9} "
+          f"{'predicted MiB':>14} {'measured MiB':>13} {'error':>7} {'ms it 2':>8}")  # fmt: skip
     errors = []
     for row in rows:
         r = measure(row, data, env)
         errors.append(r["error"])
-        b, L, h, recompute, precision, accumulation = row
-        print(f"{b:>3} {L:>3} {h:>4} {str(recompute):>9} {precision:>5} {accumulation:>5} {r['predicted']:>14.1f} "
-              f"{r['measured']:>13.1f} {r['error']:>+6.1f}% {r['ms']:>8.0f}", flush=True)  # fmt: skip
+        b, L, h, recompute, precision, accumulation, attention = row
+        print(f"{b:>3} {L:>3} {h:>4} {recompute:>9} {precision:>5} {accumulation:>5} {attention:>9} "
+              f"{r['predicted']:>14.1f} {r['measured']:>13.1f} {r['error']:>+6.1f}% {r['ms']:>8.0f}", flush=True)  # fmt: skip
     worst = max(errors, key=abs)
     print(
         f"largest |error| {abs(worst):.1f}% ({worst:+.1f}%), mean |error| {sum(map(abs, errors)) / len(errors):.1f}%"

@@ -1,14 +1,20 @@
-"""Shared fixtures: the local cluster (skipped with a reason where Slurm is not running)."""
+"""Shared fixtures: the local cluster (skipped with a reason where Slurm is not running), and
+gloo ranks spawned on this machine (:func:`run_gloo`, :func:`gloo_group`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 from distlab import REPO_ROOT
+from distlab.distributed import DistContext, free_port, init_distributed, shutdown, torchrun_env
 
 
 def cluster_available() -> bool:
@@ -30,3 +36,34 @@ def slurm_cluster(monkeypatch):
     monkeypatch.setenv("LAB_ROOT", str(REPO_ROOT))
     monkeypatch.setenv("SLURM_CONF", str(REPO_ROOT / ".lab" / "cluster" / "slurm.conf"))
     return REPO_ROOT
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int, timeout_s: float = 60) -> Iterator[DistContext]:
+    """Rank ``rank`` of a ``world``-rank gloo group on ``port``, shut down on exit, even on error.
+
+    Sets torchrun's variables in this process (:func:`~distlab.distributed.torchrun_env`): call it
+    in a spawned rank, never in the pytest process.
+    """
+    os.environ.update(torchrun_env(rank, world, port))
+    try:
+        yield init_distributed("gloo", timeout_s=timeout_s)
+    finally:
+        shutdown()
+
+
+def _gloo_rank(rank: int, world: int, port: int, timeout_s: float, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)  # up to 4 ranks share 2 cores
+    with gloo_group(rank, world, port, timeout_s) as ctx:
+        fn(ctx, *args)
+
+
+def run_gloo(fn: Callable[..., None], world: int, *args, timeout_s: float = 60) -> None:
+    """Run ``fn(ctx, *args)`` on ``world`` spawned ranks of one gloo group on a free port.
+
+    ``ctx`` is the rank's :class:`~distlab.distributed.DistContext`; each rank computes on one
+    thread. A rank that raises (a failed ``assert`` included) fails the call with its traceback.
+    ``fn`` must be a module-level function: the ranks are spawned, not forked (torch's thread pool
+    does not survive a fork), and import it.
+    """
+    mp.spawn(_gloo_rank, args=(world, free_port(), timeout_s, fn, args), nprocs=world, join=True)

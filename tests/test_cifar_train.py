@@ -15,13 +15,13 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distlab import REPO_ROOT
 from distlab.cifar import data, engine
 from distlab.cifar.model import ModelSpec, build_model
 from distlab.distributed import free_port, torchrun_env
+from tests.conftest import gloo_group
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPT = REPO_ROOT / "code" / "train_cifar.py"
@@ -33,12 +33,6 @@ def load_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def start_ranks(fn, args: tuple, world: int) -> None:
-    """Run ``fn(rank, *args)`` on ``world`` spawned processes (fork can deadlock once torch has
-    run parallel work in this process: its thread pool does not survive a fork)."""
-    mp.start_processes(fn, args=args, nprocs=world, join=True, start_method="spawn")
 
 
 def _train_rank(rank: int, jobs: list[tuple[int, list[str], str]]) -> None:
@@ -56,9 +50,8 @@ def _train_rank(rank: int, jobs: list[tuple[int, list[str], str]]) -> None:
 
 def spawn_train(*jobs: tuple[int, list[str], str]) -> list[list[list[dict]]]:
     """Run train_cifar.main for each (world, argv, out) job at once; per job, each rank's records."""
-    start_ranks(
-        _train_rank, ([(w, a, f"{o}:{free_port()}") for w, a, o in jobs],), sum(w for w, _, _ in jobs)
-    )
+    with_ports = [(w, a, f"{o}:{free_port()}") for w, a, o in jobs]
+    mp.spawn(_train_rank, args=(with_ports,), nprocs=sum(w for w, _, _ in jobs))
     return [[json.loads(open(f"{o}.{r}.json").read()) for r in range(w)] for w, _, o in jobs]
 
 
@@ -96,13 +89,11 @@ def _eval_rank(rank: int, ports: dict[int, int], root: str, ckpt: str, out: str)
     for world in (3, 2, 1):  # the same processes evaluate as worlds of 3, then 2, then 1
         if rank >= world:
             continue
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{ports[world]}", rank=rank, world_size=world
-        )
-        acc, loss = engine.evaluate(model, engine.eval_loader(test_set, batch_size=8), torch.device("cpu"))
+        with gloo_group(rank, world, ports[world]):
+            loader = engine.eval_loader(test_set, batch_size=8)  # shards by the group's size
+            acc, loss = engine.evaluate(model, loader, torch.device("cpu"))
         with open(f"{out}.{world}.{rank}.json", "w") as f:
             json.dump([acc, loss], f)
-        dist.destroy_process_group()
 
 
 def test_accuracy_does_not_depend_on_rank_count(tiny_data, tmp_path):
@@ -125,7 +116,7 @@ def test_accuracy_does_not_depend_on_rank_count(tiny_data, tmp_path):
     ref_loss = torch.nn.functional.cross_entropy(logits, y).item()
     assert 0 < ref_acc < 1
     ports = {w: free_port() for w in (1, 2, 3)}
-    start_ranks(_eval_rank, (ports, str(tiny_data), str(tmp_path / "m.pt"), str(tmp_path / "e")), 3)
+    mp.spawn(_eval_rank, args=(ports, str(tiny_data), str(tmp_path / "m.pt"), str(tmp_path / "e")), nprocs=3)
     for world in (1, 2, 3):  # 37 images: 3 ranks score 13, 12, 12; 2 ranks 19, 18
         for rank in range(world):
             acc, loss = json.loads((tmp_path / f"e.{world}.{rank}.json").read_text())

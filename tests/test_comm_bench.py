@@ -10,12 +10,12 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from distlab import REPO_ROOT
 from distlab.comm import bench, launch
 from distlab.comm.plot import plot_busbw
-from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
+from distlab.distributed import DistContext
+from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,32 +54,26 @@ def test_absurd_size_refused_before_allocation() -> None:
     bench.check_memory(2**20, 2, torch.device("cpu"))  # 1 MiB fits anywhere
 
 
-def _sweep_worker(rank: int, world: int, port: int, out: str) -> None:
-    ctx = init_distributed(
-        "gloo", timeout_s=60, env=DistEnv(rank, world, rank, world, "127.0.0.1", port, "spawn")
+def _sweep_worker(ctx: DistContext, out: str) -> None:
+    rows = bench.sweep(
+        bench.OPS,
+        [1024, 4096],
+        device=ctx.device,
+        backend="gloo",
+        label="test",
+        nodes=1,
+        time_budget_s=6.0,
+        warmup=1,
+        max_iters=3,
+        report=lambda _: None,
     )
-    try:
-        rows = bench.sweep(
-            bench.OPS,
-            [1024, 4096],
-            device=ctx.device,
-            backend="gloo",
-            label="test",
-            nodes=1,
-            time_budget_s=6.0,
-            warmup=1,
-            max_iters=3,
-            report=lambda _: None,
-        )
-        if rank == 0:
-            bench.write_results(rows, out)
-    finally:
-        shutdown()
+    if ctx.rank == 0:
+        bench.write_results(rows, out)
 
 
 def test_real_sweep_writes_consistent_rows(tmp_path) -> None:
     world, out = 2, tmp_path / "bw.csv"
-    mp.spawn(_sweep_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    run_gloo(_sweep_worker, world, str(out))
     rows = bench.read_results(out)
     assert {r.op for r in rows} == set(bench.OPS)
     for r in rows:

@@ -11,12 +11,12 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.testing import assert_close
 
 from distlab.comm import collectives as col
 from distlab.comm import p2p
-from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
+from distlab.distributed import DistContext
+from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,49 +33,44 @@ def _check_outputs(name: str, got: col.Outputs, want: col.Outputs, rank: int) ->
             assert_close(out, want[label], msg=lambda m, n=name, lab=label: f"{n}({lab}) rank {rank}: {m}")
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    ctx = init_distributed(
-        "gloo", timeout_s=60, env=DistEnv(rank, world, rank, world, "127.0.0.1", port, "spawn")
-    )
-    try:
-        everyone = list(range(world))
-        for name, demo in col.DEMOS.items():  # default group
-            _check_outputs(name, demo(ctx.device), col.expected(name, rank, everyone), rank)
+def _worker(ctx: DistContext) -> None:
+    rank, world = ctx.rank, ctx.world_size
+    everyone = list(range(world))
+    for name, demo in col.DEMOS.items():  # default group
+        _check_outputs(name, demo(ctx.device), col.expected(name, rank, everyone), rank)
 
-        evens, odds = col.even_odd_groups(world, datetime.timedelta(seconds=60))
-        group = evens if rank % 2 == 0 else odds
-        members = list(range(rank % 2, world, 2))
-        g_rank, g_world = members.index(rank), len(members)
-        assert dist.get_rank(group) == g_rank and dist.get_world_size(group) == g_world
-        for name in (
-            "broadcast",
-            "reduce",
-            "all_reduce",
-            "scatter",
-            "gather",
-            "all_gather",
-            "reduce_scatter",
-        ):
-            got = col.DEMOS[name](ctx.device, group)
-            _check_outputs(name, got, col.expected(name, g_rank, members), rank)
-        # spelled out once: a subgroup all_reduce sums the global inputs of its members only
-        sub = col.DEMOS["all_reduce"](ctx.device, group)["SUM"]
-        assert_close(sub, sum(col.x_of(m) for m in members))
-        if world == 4:
-            assert_close(sub, torch.tensor([22.0, 24.0]) if rank % 2 == 0 else torch.tensor([42.0, 44.0]))
+    evens, odds = col.even_odd_groups(world, datetime.timedelta(seconds=60))
+    group = evens if rank % 2 == 0 else odds
+    members = list(range(rank % 2, world, 2))
+    g_rank, g_world = members.index(rank), len(members)
+    assert dist.get_rank(group) == g_rank and dist.get_world_size(group) == g_world
+    for name in (
+        "broadcast",
+        "reduce",
+        "all_reduce",
+        "scatter",
+        "gather",
+        "all_gather",
+        "reduce_scatter",
+    ):
+        got = col.DEMOS[name](ctx.device, group)
+        _check_outputs(name, got, col.expected(name, g_rank, members), rank)
+    # spelled out once: a subgroup all_reduce sums the global inputs of its members only
+    sub = col.DEMOS["all_reduce"](ctx.device, group)["SUM"]
+    assert_close(sub, sum(col.x_of(m) for m in members))
+    if world == 4:
+        assert_close(sub, torch.tensor([22.0, 24.0]) if rank % 2 == 0 else torch.tensor([42.0, 44.0]))
 
-        left = (rank - 1) % world
-        assert_close(p2p.blocking_shift(ctx), p2p.payload(left))
-        before, after = p2p.nonblocking_shift(ctx, delay_s=0.3)
-        assert_close(before, torch.full((3,), -1.0))  # the neighbour had not sent yet
-        assert_close(after, p2p.payload(left))
-    finally:
-        shutdown()
+    left = (rank - 1) % world
+    assert_close(p2p.blocking_shift(ctx), p2p.payload(left))
+    before, after = p2p.nonblocking_shift(ctx, delay_s=0.3)
+    assert_close(before, torch.full((3,), -1.0))  # the neighbour had not sent yet
+    assert_close(after, p2p.payload(left))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_and_p2p(world: int) -> None:
-    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+    run_gloo(_worker, world)
 
 
 def test_expected_values_by_hand() -> None:

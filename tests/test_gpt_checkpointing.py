@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from distlab.distributed import free_port
+from distlab.distributed import DistContext
 from distlab.gpt import checkpointing
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.layout import Layout
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
+from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,57 +26,49 @@ def _args(root: str, **kw) -> PretrainArgs:
     return PretrainArgs(save=root, load=root, **shape)
 
 
-def _scenario(rank: int, world: int, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _scenario(ctx: DistContext, root: str) -> None:
+    rank = ctx.rank
+    state = ParallelState.build(Layout(dist.get_world_size()))
+    args = _args(root)
+    model = GPTModel(GPTConfig(1, 16, 2, 32, 8, seed=rank), state)  # different on purpose: dp rank 0 saves
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).mean().backward()
+    opt.step()
+    checkpointing.save_checkpoint(args, state, model, opt, {"scale": 8.0}, iteration=1, consumed_samples=4)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    real_save = torch.save
+
+    def dying_save(obj, path, *a, **k):  # the job is killed while writing the file
+        Path(path).write_bytes(b"half a checkpoint")
+        raise KeyboardInterrupt("killed during save")
+
+    torch.save = dying_save
     try:
-        state = ParallelState.build()
-        args = _args(root)
-        model = GPTModel(
-            GPTConfig(1, 16, 2, 32, 8, seed=rank), state
-        )  # different on purpose: dp rank 0 saves
-        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-        model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).mean().backward()
-        opt.step()
-        checkpointing.save_checkpoint(
-            args, state, model, opt, {"scale": 8.0}, iteration=1, consumed_samples=4
-        )
-        saved = {k: v.clone() for k, v in model.state_dict().items()}
-
-        real_save = torch.save
-
-        def dying_save(obj, path, *a, **k):  # the job is killed while writing the file
-            Path(path).write_bytes(b"half a checkpoint")
-            raise KeyboardInterrupt("killed during save")
-
-        torch.save = dying_save
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                checkpointing.save_checkpoint(args, state, model, opt, None, iteration=2, consumed_samples=8)
-        finally:
-            torch.save = real_save
-        dist.barrier()
-        result = {
-            "tracker": checkpointing.read_tracker(root),
-            "iter2": os.path.exists(f"{root}/iter_0000002"),
-        }
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-        iteration, consumed, scaler = checkpointing.load_checkpoint(args, state, model, opt)
-        result.update(iteration=iteration, consumed=consumed, scaler=scaler)
-        result["restored"] = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
-        try:
-            checkpointing.load_checkpoint(_args(root, hidden_size=32), state, model, opt)
-        except ValueError as exc:
-            result["mismatch"] = str(exc)
-        Path(root, f"result{rank}.json").write_text(json.dumps(result))
+        with pytest.raises(KeyboardInterrupt):
+            checkpointing.save_checkpoint(args, state, model, opt, None, iteration=2, consumed_samples=8)
     finally:
-        dist.destroy_process_group()
+        torch.save = real_save
+    dist.barrier()
+    result = {
+        "tracker": checkpointing.read_tracker(root),
+        "iter2": os.path.exists(f"{root}/iter_0000002"),
+    }
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    iteration, consumed, scaler = checkpointing.load_checkpoint(args, state, model, opt)
+    result.update(iteration=iteration, consumed=consumed, scaler=scaler)
+    result["restored"] = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    try:
+        checkpointing.load_checkpoint(_args(root, hidden_size=32), state, model, opt)
+    except ValueError as exc:
+        result["mismatch"] = str(exc)
+    Path(root, f"result{rank}.json").write_text(json.dumps(result))
 
 
 def test_killed_save_keeps_the_previous_checkpoint_latest(tmp_path):
-    mp.spawn(_scenario, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
+    run_gloo(_scenario, 1, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["iter_0000001", "iter_0000002.tmp"]
     assert (tmp_path / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt").exists()
     r = json.loads((tmp_path / "result0.json").read_text())  # the run after the "kill"

@@ -10,15 +10,15 @@ all-reduce), so the losses agree to fp32 rounding: rtol 1e-5.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from distlab.distributed import free_port, torchrun_env
-from distlab.gpt.deepspeed_engine import load_config, refuse_model_parallel
+from distlab.distributed import DistContext
+from distlab.gpt.deepspeed_config import load_config, refuse_model_parallel
+from distlab.gpt.layout import Layout
+from tests.conftest import run_gloo
 
 STAGES = [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)]
 MICRO, ACCUM, WORLD, STEPS, VOCAB, SEQ = 2, 2, 2, 3, 256, 32
@@ -79,20 +79,17 @@ def _model_and_optimizer():
     return model, build_optimizer(model, PretrainArgs(lr=1e-3, weight_decay=0.01))
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(torchrun_env(rank, WORLD, port))
-    torch.set_num_threads(1)
-    from distlab.distributed import init_distributed
+def _worker(ctx: DistContext, out: str) -> None:
     from distlab.gpt import deepspeed_engine as dse
     from distlab.gpt.parallel_state import ParallelState
-    from distlab.gpt.training import train_step
+    from distlab.gpt.training import LocalBackend, train_step
 
-    init_distributed("gloo", timeout_s=120)
-    state = ParallelState.build()
+    rank = ctx.rank
+    state = ParallelState.build(Layout(WORLD))
     model, opt = _model_and_optimizer()
     # the engine's own data parallelism: one flat all-reduce of the gradients, what DDP computes
-    losses = {"ddp": [train_step(model, opt, _batches(rank), state=state, clip_grad=1.0, scaler=None).loss
-                      for _ in range(STEPS)]}  # fmt: skip
+    local = LocalBackend(model, opt, state, clip_grad=1.0)
+    losses = {"ddp": [train_step(local, _batches(rank), state=state).loss for _ in range(STEPS)]}
     memory = {}
     for stage, offload in STAGES:
         zero = {"stage": stage}
@@ -100,20 +97,20 @@ def _worker(rank: int, port: int, out: str) -> None:
             zero["offload_optimizer"] = {"device": "cpu"}
             if stage == 3:
                 zero["offload_param"] = {"device": "cpu"}
-        cfg = dse.load_config({"zero_optimization": zero}, micro_batch_size=MICRO, accumulation_steps=ACCUM,
+        cfg = load_config({"zero_optimization": zero}, micro_batch_size=MICRO, accumulation_steps=ACCUM,
                               world_size=WORLD, clip_grad=1.0)  # fmt: skip
         engine = dse.initialize(*_model_and_optimizer(), cfg)
         name = f"zero{stage}" + ("_offload" if offload else "")
-        losses[name] = [dse.train_step(engine, _batches(rank)).loss for _ in range(STEPS)]
+        backend = dse.DeepSpeedBackend(engine)  # the same step loop, DeepSpeed's hooks
+        losses[name] = [train_step(backend, _batches(rank), state=state).loss for _ in range(STEPS)]
         memory[name] = dse.zero_memory_stats(engine)
         memory[name]["full"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                    for p in engine.module.parameters())  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "memory": memory}))
-    torch.distributed.destroy_process_group()
 
 
 def test_zero_stages_match_ddp(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    run_gloo(_worker, WORLD, str(tmp_path), timeout_s=120)
     result = json.loads((tmp_path / "rank0.json").read_text())
     ddp = result["losses"]["ddp"]
     assert len(ddp) == STEPS and ddp[-1] < ddp[0]  # it trains

@@ -72,7 +72,9 @@ def test_model_flops_formula():
     f = model_flops_per_iteration(args, 50304)
     assert f == pytest.approx(72 * 1024 * 12 * 768**2 * (1 + 1024 / (6 * 768) + 50304 / (16 * 12 * 768)))
     assert 0.8e12 < f < 1.0e12
-    args.recompute_activations = True
+    args.recompute_activations = True  # selective: the scores again, not counted (Megatron's model FLOPs)
+    assert model_flops_per_iteration(args, 50304) == pytest.approx(f)
+    args.recompute_activations, args.recompute_granularity = False, "full"  # every block twice forward
     assert model_flops_per_iteration(args, 50304) == pytest.approx(f * 4 / 3)
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.loss_scaler import DynamicLossScaler, autocast, unscale_and_check
+from distlab.gpt.layout import Layout
+from distlab.gpt.loss_scaler import DynamicLossScaler, unscale_and_check
 from distlab.gpt.model import GPTConfig, GPTModel
-from distlab.gpt.parallel_state import ParallelDims, ParallelState
-from distlab.gpt.training import train_step
+from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.precision import Precision
+from distlab.gpt.training import LocalBackend, train_step
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,19 +46,20 @@ def test_overflowing_fp16_step_is_skipped_and_weights_kept():
     cfg = GPTConfig(
         num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=128, max_position_embeddings=16
     )
-    state = ParallelState(dims=ParallelDims(1), rank=0)
+    state = ParallelState(Layout(1), rank=0)
     model = GPTModel(cfg, state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, 128, (2, 16))
     batches = [(tokens, tokens.roll(-1, 1))]
-    amp = lambda: autocast(PretrainArgs(fp16=True), torch.device("cpu"))  # noqa: E731
+    amp = lambda: Precision("fp16").autocast(torch.device("cpu"))  # noqa: E731
     before = {k: v.clone() for k, v in model.state_dict().items()}
     scaler = DynamicLossScaler(2.0**40, window=1000, hysteresis=1)
-    result = train_step(model, opt, batches, state=state, clip_grad=1.0, scaler=scaler, autocast=amp)
+    backend = LocalBackend(model, opt, state, clip_grad=1.0, scaler=scaler)
+    result = train_step(backend, batches, state=state, autocast=amp)
     assert result.skipped and result.grad_norm is None and scaler.scale == 2.0**39
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
     scaler.scale = 2.0**8
-    result = train_step(model, opt, batches, state=state, clip_grad=1.0, scaler=scaler, autocast=amp)
+    result = train_step(backend, batches, state=state, autocast=amp)
     assert not result.skipped and result.grad_norm > 0 and scaler.scale == 2.0**8
     assert not torch.equal(model.state_dict()["layers.0.attn.qkv.weight"], before["layers.0.attn.qkv.weight"])

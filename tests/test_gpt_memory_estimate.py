@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.layout import Layout
+from distlab.gpt.memory import cpu_peak_since, reset_cpu_peak
 from distlab.gpt.memory_estimate import (
     MemorySetup,
     activation_bytes,
-    cpu_peak_since,
+    block_bytes,
     estimate,
     format_prediction,
     korthikanti_layer_bytes,
-    layer_activation_bytes,
     num_parameters,
-    reset_cpu_peak,
+    stage_layers_bytes,
     stage_parameters,
 )
 from distlab.gpt.model import GPTConfig, GPTModel
 
 SBH = 128 * 4 * 64  # s=128, b=4, h=64: 32,768 values
+FULL_1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def tiny(**kw) -> MemorySetup:
@@ -52,20 +58,20 @@ def test_korthikanti() -> None:
 
 
 def test_layer_activations_by_precision_tp_recompute() -> None:
-    assert layer_activation_bytes(tiny()) == 68 * SBH == 2_228_224  # 17 fp32 values per s b h
-    assert layer_activation_bytes(tiny(precision="bf16")) == 38 * SBH  # 2 fp32 + 15 half
-    assert layer_activation_bytes(tiny(tp=2)) == (8 + 4 * 2 + 4 * 13 / 2) * SBH  # 13 of 17 split
-    assert layer_activation_bytes(tiny(recompute_activations=True)) == 4 * SBH  # the input only
+    assert block_bytes(tiny()) == 64 * SBH == 2_097_152  # 16 fp32 values per s b h
+    assert block_bytes(tiny(precision="bf16")) == 36 * SBH  # 2 fp32 + 14 half
+    assert block_bytes(tiny(tp=2)) == (8 + 4 * 2 + 4 * 12 / 2) * SBH  # 12 of 16 split
+    assert stage_layers_bytes(tiny(**FULL_1)) == 4 * 4 * SBH  # each block's input only
 
 
 def test_activations_head_recompute_and_pipeline() -> None:
     head = 4 * (2 * SBH + 3 * 4 * 128 * 4096)  # final LN in/out + three fp32 (b, s, V)
-    assert activation_bytes(tiny()) == 4 * 68 * SBH + head
+    assert activation_bytes(tiny()) == 4 * 64 * SBH + head
     # recompute: 4 inputs kept; the head's backward (bigger here) ends before a block is rebuilt
-    assert activation_bytes(tiny(recompute_activations=True)) == 4 * 4 * SBH + head
+    assert activation_bytes(tiny(**FULL_1)) == 4 * 4 * SBH + head
     # 1F1B on the first of 2 stages: 2 layers x min(pp, M) = 2 micro-batches; GPipe keeps all 8
-    assert activation_bytes(tiny(pp=2, num_micro_batches=8)) == 2 * 68 * SBH * 2
-    assert activation_bytes(tiny(pp=2, num_micro_batches=8, pipeline_schedule="gpipe")) == 2 * 68 * SBH * 8
+    assert activation_bytes(tiny(pp=2, num_micro_batches=8)) == 2 * 64 * SBH * 2
+    assert activation_bytes(tiny(pp=2, num_micro_batches=8, pipeline_schedule="gpipe")) == 2 * 64 * SBH * 8
 
 
 def test_model_states_per_zero_stage() -> None:
@@ -110,3 +116,23 @@ def test_prediction_line_and_cpu_peak() -> None:
     block = b"x" * (64 * 2**20)  # written: 64 MiB resident
     assert cpu_peak_since(base) >= 60 * 2**20
     del block
+
+
+def test_from_run_reads_the_arguments_and_the_layout() -> None:
+    args = PretrainArgs(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=128, bf16=True,
+                        recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
+                        attention_backend="unfused", pipeline_schedule="gpipe")  # fmt: skip
+    layout = Layout(8, tp=2, pp=2, micro_batch_size=4, global_batch_size=32)  # dp 2, m = 32 / (4 x 2) = 4
+    zero = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert MemorySetup.from_run(args, layout, 4096, zero) == MemorySetup(
+        4, 64, 4, 128, 4096, 4, precision="bf16", recompute_granularity="full", recompute_method="block",
+        recompute_num_layers=1, attention_backend="unfused", num_micro_batches=4, tp=2, pp=2, dp=2,
+        pipeline_schedule="gpipe", zero_stage=2, offload=True,
+    )  # fmt: skip
+    assert MemorySetup.from_run(PretrainArgs(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=128),
+                                Layout(1, micro_batch_size=2), 4096).zero_stage == 0  # fmt: skip
+
+
+def test_the_estimator_imports_without_torch() -> None:
+    code = "import sys, distlab.gpt.memory_estimate; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

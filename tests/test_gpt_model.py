@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distlab.gpt.layout import Layout
 from distlab.gpt.model import GPTConfig, GPTModel
-from distlab.gpt.parallel_state import ParallelDims, ParallelState
+from distlab.gpt.parallel_state import ParallelState
 
 pytestmark = pytest.mark.timeout(60)
 CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=256, max_position_embeddings=16)
@@ -37,8 +38,8 @@ def test_init_is_a_function_of_the_seed_only():
 def test_two_pipeline_stages_hold_and_compute_the_same_model():
     cfg = GPTConfig(**CFG, seed=3)
     full = GPTModel(cfg)
-    dims = ParallelDims(world_size=2, tp=1, pp=2)
-    first, last = GPTModel(cfg, ParallelState(dims, rank=0)), GPTModel(cfg, ParallelState(dims, rank=1))
+    layout = Layout(world_size=2, tp=1, pp=2)
+    first, last = GPTModel(cfg, ParallelState(layout, rank=0)), GPTModel(cfg, ParallelState(layout, rank=1))
     assert list(first.layers) == ["0", "1"] and list(last.layers) == ["2", "3"]
     assert not hasattr(first, "ln_f") and not hasattr(last, "wte")
     ref = full.state_dict()
@@ -65,11 +66,14 @@ def test_attention_is_causal_and_loss_starts_near_uniform():
     )
 
 
-def test_recomputation_gives_the_same_gradients():
+def test_recomputation_gives_the_same_gradients():  # every mode and backend: tests/test_gpt_recompute.py
     tokens, labels = batch(1)
     grads = []
-    for recompute in (False, True):
-        model = GPTModel(GPTConfig(**CFG, recompute_activations=recompute, seed=1))
+    for recompute in (
+        {},
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    ):
+        model = GPTModel(GPTConfig(**CFG, **recompute, seed=1))
         model(tokens, labels).mean().backward()
         grads.append({k: p.grad for k, p in model.named_parameters()})
     for k, g in grads[0].items():

@@ -8,24 +8,24 @@ micro-batch. One group of 4 gloo processes runs every layout and schedule.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
+from distlab.distributed import DistContext
 from distlab.gpt.gradients import reduce_gradients
+from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel import forward_backward_pipeline
 from distlab.gpt.pipeline_plot import plot_timelines
 from distlab.gpt.pipeline_timeline import PipelineTimeline, measured_bubble, save_timeline, theoretical_bubble
 from distlab.gpt.pp_communications import P2PSpec
+from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -81,7 +81,7 @@ def order(events: list[dict], stage: int) -> list[str]:
 
 
 def run_layout(pp: int, m: int, schedule: str, out: Path) -> None:
-    state = ParallelState.build(pp=pp)
+    state = ParallelState.build(Layout(dist.get_world_size(), pp=pp))
     dp = state.dp
     ref, ref_losses = reference(dp, m)
     X, Y = make_data(dp, m)
@@ -130,24 +130,16 @@ def run_layout(pp: int, m: int, schedule: str, out: Path) -> None:
         save_timeline(tl, out / f"{schedule}-pp{pp}-m{m}.json")
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    init_distributed(
-        "gloo", timeout_s=60, env=DistEnv(rank, world, rank, world, "127.0.0.1", port, "torchrun")
-    )
-    try:
-        for schedule in ("gpipe", "1f1b"):
-            run_layout(4, 6, schedule, Path(out))  # p=4: 1F1B has 3, 2, 1, 0 warm-up forwards
-            run_layout(4, 2, schedule, Path(out))  # fewer micro-batches than stages
-            run_layout(2, 4, schedule, Path(out))  # pp=2 x dp=2: gradients averaged after the schedule
-        dist.barrier()
-    finally:
-        shutdown()
+def _worker(ctx: DistContext, out: str) -> None:
+    for schedule in ("gpipe", "1f1b"):
+        run_layout(4, 6, schedule, Path(out))  # p=4: 1F1B has 3, 2, 1, 0 warm-up forwards
+        run_layout(4, 2, schedule, Path(out))  # fewer micro-batches than stages
+        run_layout(2, 4, schedule, Path(out))  # pp=2 x dp=2: gradients averaged after the schedule
+    dist.barrier()
 
 
 def test_schedules_match_single_process_and_plot(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    run_gloo(_worker, 4, str(tmp_path))
     saved = sorted(tmp_path.glob("*.json"))
     assert len(saved) == 6
     png = tmp_path / "timeline.png"
@@ -168,14 +160,9 @@ def completes_in_order(a: list[list[str]], b: list[list[str]]) -> bool:
     return i == len(a) and j == len(b)
 
 
-def _record_batches(rank: int, world: int, port: int, out: str) -> None:
+def _record_batches(ctx: DistContext, out: str) -> None:
     """1F1B on p=2, m=4 (one warm-up forward on stage 0, three steady 1F1B steps), recording
     every ``batch_isend_irecv`` call: the list of (operation, peer) it posts."""
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    init_distributed(
-        "gloo", timeout_s=60, env=DistEnv(rank, world, rank, world, "127.0.0.1", port, "torchrun")
-    )
     posted, real = [], dist.batch_isend_irecv
 
     def recording(ops):
@@ -184,25 +171,24 @@ def _record_batches(rank: int, world: int, port: int, out: str) -> None:
 
     dist.batch_isend_irecv = recording
     try:
-        state = ParallelState.build(pp=2)
+        state = ParallelState.build(Layout(dist.get_world_size(), pp=2))
         ref, _ = reference(1, 4)
         X, Y = make_data(1, 4)
         stage = Stage(ref, state, X, Y)
         spec = P2PSpec((MB, D), torch.float32, torch.device("cpu"), timeout_s=60)
         forward_backward_pipeline(stage, num_microbatches=4, state=state, spec=spec, schedule="1f1b")
-        gathered: list = [None] * world
+        gathered: list = [None] * ctx.world_size
         dist.all_gather_object(gathered, posted)
-        if rank == 0:
+        if ctx.rank == 0:
             Path(out, "posted.json").write_text(json.dumps(gathered))
     finally:
         dist.batch_isend_irecv = real
-        shutdown()
 
 
 def test_1f1b_posts_each_neighbour_exchange_as_one_batch(tmp_path: Path) -> None:
     """The steady state's exchanges (stage 0: y out, dy in; stage 1: dx out, next x in) are one
     batch each, the order NCCL completes; posted one by one, irecv first, they would deadlock."""
-    mp.spawn(_record_batches, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_gloo(_record_batches, 2, str(tmp_path))
     first, last = json.loads((tmp_path / "posted.json").read_text())
     both = [["isend", 1], ["irecv", 1]]
     assert first == [[["isend", 1]], both, both, both, [["irecv", 1]]], first

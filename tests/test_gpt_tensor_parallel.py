@@ -6,17 +6,14 @@ check raises in its rank and ``torch.multiprocessing.spawn`` re-raises it here.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from distlab.distributed import DistEnv, free_port, init_distributed, shutdown
+from distlab.distributed import DistContext
 from distlab.gpt.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -27,18 +24,11 @@ from distlab.gpt.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from distlab.gpt.tp_communications import gather_from_tensor_parallel
+from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(180)
 
 B, T, H, FF, V = 2, 3, 8, 16, 12  # tiny: batch, sequence, hidden, MLP width, vocabulary
-
-
-def _start(rank: int, world: int, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    init_distributed(
-        "gloo", timeout_s=60, env=DistEnv(rank, world, rank, world, "127.0.0.1", port, "torchrun")
-    )
 
 
 def check_mlp(group: dist.ProcessGroup, rank: int, p: int) -> None:
@@ -156,20 +146,16 @@ def check_dtensor(group: dist.ProcessGroup, rank: int, p: int) -> None:
     assert_close(row.bias.grad, ref[2].bias.grad.full_tensor())
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    _start(rank, world, port)
-    try:
-        group = dist.new_group(list(range(world)))
-        for check in (check_mlp, check_gather_scatter_and_stride, check_vocab, check_dtensor):
-            check(group, rank, world)
-        dist.barrier()
-    finally:
-        shutdown()
+def _worker(ctx: DistContext) -> None:
+    group = dist.new_group(list(range(ctx.world_size)))
+    for check in (check_mlp, check_gather_scatter_and_stride, check_vocab, check_dtensor):
+        check(group, ctx.rank, ctx.world_size)
+    dist.barrier()
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_layers_match_unsharded_and_dtensor(tp: int) -> None:
-    mp.spawn(_worker, args=(tp, free_port()), nprocs=tp, join=True)
+    run_gloo(_worker, tp)
 
 
 def test_single_rank_layers_are_plain_layers() -> None:

@@ -6,26 +6,28 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab.distributed import free_port
+from distlab.distributed import DistContext
 from distlab.logs.trace import all_reduces_per_step, load_trace
+from tests.conftest import run_gloo
+
+
+def _traced_steps(ctx: DistContext, out: str) -> None:
+    """Three profiled steps of 5 all-reduces each; the last two are traced into ``out``."""
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+        schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(out, "rank0"),
+    )  # fmt: skip
+    with prof:
+        for _ in range(3):
+            for _ in range(4):  # 4 per step of shape (2, 8, 16): the block's f and g
+                dist.all_reduce(torch.ones(2, 8, 16))
+            dist.all_reduce(torch.ones(()))  # 1 per step: a scalar
+            prof.step()
 
 
 def test_counts_all_reduces_by_shape_per_traced_step(tmp_path):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
-            schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(tmp_path), "rank0"),
-        )  # fmt: skip
-        with prof:
-            for _ in range(3):
-                for _ in range(4):  # 4 per step of shape (2, 8, 16): the block's f and g
-                    dist.all_reduce(torch.ones(2, 8, 16))
-                dist.all_reduce(torch.ones(()))  # 1 per step: a scalar
-                prof.step()
-    finally:
-        dist.destroy_process_group()
+    run_gloo(_traced_steps, 1, str(tmp_path))
     rows = all_reduces_per_step(load_trace(tmp_path))
     assert rows == [
         {"shape": (2, 8, 16), "numel": 256, "per_step": 4.0},

@@ -16,19 +16,26 @@ A tensor entering the model is (b, T), a hidden state (b, T, H), a logit slice (
 
 Reading order, one idea per file:
 
-    parallel_state      the tp x pp x dp layout (Megatron's rank order) and its process groups
+    layout              the run's tp x dp x pp layout (Megatron's rank order) and batch arithmetic,
+                        validated once; where a new dimension is added
+    parallel_state      this rank's coordinates in the layout and its process groups
     tp_communications   the f and g operators: identity one way, all-reduce the other
     tensor_parallel     column / row-parallel linear, vocabulary-parallel embedding and loss
+    recompute           attention backends and recomputation flags: what a block keeps
     model               the GPT block by block: where f and g sit; one stage of the pipeline
     pp_communications   named sends and receives between stages, each one batched p2p call
     pipeline_parallel   GPipe and 1F1B: the order of forwards and backwards, the bubble
     gradients           after the backward: tied embedding, dp all-reduce, norm, clipping
-    training            micro-batches of a global batch, one train step, evaluation
-    build               everything a run holds, built once from the arguments
+    interfaces          what a step shares: micro-batches, the backward hook, the back end
+    training            micro-batches of a global batch, the one step loop, evaluation
+    build               everything a run holds, built once from the arguments and the layout
     pretrain            the training loop of pretrain_gpt.py
 
 Beside them: arguments (Megatron's command line), tokenizer, indexed_dataset and gpt_dataset
-(data), optimizer (AdamW, LR schedule), loss_scaler (fp16/bf16), checkpointing, log and flops
-(Megatron's log line, TensorBoard, the profiler; MFU), memory, pipeline_timeline and pipeline_plot
-(recorded F/B spans and their Gantt chart), local_run (spawned runs for tests and notebooks).
+(data), optimizer (AdamW, LR schedule), precision (fp32/fp16/bf16, decided once) and
+loss_scaler (fp16), checkpointing, log and flops (Megatron's log line, TensorBoard, the
+profiler; MFU; every printed line defined in ``distlab.logs.formats``), memory (measured) and
+memory_estimate (predicted), deepspeed_config (DeepSpeed's JSON, checked) and deepspeed_engine
+(its back end), pipeline_timeline and pipeline_plot (recorded F/B spans and their Gantt chart),
+local_run (spawned runs for tests and notebooks).
 """

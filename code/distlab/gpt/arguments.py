@@ -4,12 +4,9 @@ Every field of :class:`PretrainArgs` is a flag: ``num_layers`` is ``--num-layers
 are Megatron's switches (``--fp16``), except the few the course passes as ``True|False``
 (``--profile-execution True``). The dataclass is the single source of names, types, defaults and
 help; :func:`parse_args` builds argparse from it and :func:`validate_args` checks everything
-that can be checked before a process group or a tensor exists, naming the values and the fix.
-
-Batch arithmetic (checked by ``ParallelDims.validate_batch``)::
-
-    global batch = micro batch x data-parallel size x accumulation steps
-    e.g.  16     =     2       x        4           x        2
+that can be checked before a process group or a tensor exists, naming the values and the fix,
+and returns the run's one :class:`~distlab.gpt.layout.Layout` (parallel sizes and batch
+arithmetic), which every part of the run then reads.
 """
 
 from __future__ import annotations
@@ -21,7 +18,9 @@ import typing
 from dataclasses import dataclass, field
 
 from distlab.distributed import pick_backend
-from distlab.gpt.parallel_state import ParallelDims
+from distlab.gpt import deepspeed_config
+from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
+from distlab.gpt.recompute import granularity_of, recompute_errors
 
 
 class ArgumentError(ValueError):
@@ -47,7 +46,32 @@ class PretrainArgs:
     hidden_dropout: float = _f(0.0, "dropout after attention and MLP (Megatron's default is 0.1)")
     attention_dropout: float = _f(0.0, "dropout on attention probabilities")
     make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this x tp")
-    recompute_activations: bool = _f(False, "recompute each block's activations in backward")
+    recompute_activations: bool = _f(
+        False, "selective recomputation: the same as --recompute-granularity selective (as Megatron sets it)"
+    )
+    recompute_granularity: str = _f(
+        None,
+        "full: checkpoint whole blocks, keeping only their inputs (needs --recompute-method and "
+        "--recompute-num-layers); selective: checkpoint the core attention softmax(QK^T/sqrt(d))V of "
+        "every block, whose T x T scores are the 5as/h term of the activations",
+        choices=["full", "selective"],
+    )
+    recompute_method: str = _f(
+        None,
+        "with --recompute-granularity full: uniform, groups of --recompute-num-layers consecutive blocks "
+        "each keeping its input; block, only the first --recompute-num-layers blocks of each stage",
+        choices=["uniform", "block"],
+    )
+    recompute_num_layers: int = _f(
+        None,
+        "with --recompute-granularity full: blocks per group (uniform) or per stage (block), 1 to L / pp",
+    )
+    attention_backend: str = _f(
+        "auto",
+        "core attention: auto, flash and fused run PyTorch's scaled_dot_product_attention (its fused "
+        "kernel keeps no T x T scores); unfused and local the explicit softmax(QK^T/sqrt(d))V, which stores them",
+        choices=["flash", "fused", "unfused", "local", "auto"],
+    )
     # --- data ---
     data_path: str = _f(None, "prefix of the .bin/.idx dataset, e.g. data/gpt/corpus_text_document")
     data_impl: str = _f("mmap", "indexed dataset implementation (only mmap)", choices=["mmap"])
@@ -58,6 +82,20 @@ class PretrainArgs:
     # --- batch and schedule ---
     micro_batch_size: int = _f(None, "samples per forward/backward on one rank (required)")
     global_batch_size: int = _f(None, "samples per optimizer step over all ranks (default micro x dp)")
+    rampup_batch_size: list = _f(
+        None,
+        "START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT in equal "
+        "intervals until SAMPLES samples are consumed, then stays at --global-batch-size "
+        "(Megatron's ramp, deprecated there for --step-batch-size-schedule)",
+        nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        type=int,
+    )
+    step_batch_size_schedule: str = _f(
+        None,
+        'global batch per threshold of consumed tokens, e.g. "0:16 2.4B:320 4.8B:624" (K, M, B, T '
+        "suffixes); its last batch is the global batch size",
+    )
     train_iters: int = _f(None, "optimizer steps to train for (required)")
     exit_duration_in_mins: float = _f(None, "save and stop after this many minutes")
     seed: int = _f(1234, "seed of initialisation, data shuffling and dropout")
@@ -149,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif kind is bool:
             parser.add_argument(flag, action="store_true", help=help_)
         else:
-            parser.add_argument(flag, type=kind, default=f.default, help=help_, **meta)
+            meta.setdefault("type", kind)
+            parser.add_argument(flag, default=f.default, help=help_, **meta)
     parser.add_argument("--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)
     return parser
 
@@ -172,7 +211,7 @@ def parse_split(split: str) -> list[float]:
     return [p / sum(parts) for p in parts]
 
 
-def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
+def validate_args(args: PretrainArgs, world_size: int) -> Layout:
     """Check arguments against each other and the world size; fill defaults; return the layout.
 
     Raises ``ValueError`` listing every problem found, before any compute.
@@ -182,13 +221,11 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
     missing = [f"--{name.replace('_', '-')} is required" for name in required if getattr(args, name) is None]
     if missing:
         raise ValueError("; ".join(missing))
-    dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    dims.validate_model(
+    layout = build_layout(args, world_size)
+    layout.validate_model(
         num_layers=args.num_layers, num_attention_heads=args.num_attention_heads, hidden_size=args.hidden_size
     )
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dims.dp
-    dims.validate_batch(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size)
+    args.global_batch_size = layout.global_batch_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.lr_decay_iters is None:
@@ -197,11 +234,40 @@ def validate_args(args: PretrainArgs, world_size: int) -> ParallelDims:
         *_model_and_optimizer_errors(args),
         *_file_errors(args),
         *_profile_errors(args, world_size),
-        *_deepspeed_errors(args, dims),
+        *_deepspeed_errors(args, layout),
+        *_recompute_errors(args, layout),
     ]
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))
-    return dims
+    return layout
+
+
+def build_layout(args: PretrainArgs, world_size: int) -> Layout:
+    """The parallel sizes and the batch arithmetic (a ramp's steps included), checked."""
+    schedule: tuple = ()
+    if args.rampup_batch_size is not None and args.step_batch_size_schedule is not None:
+        raise ValueError("--rampup-batch-size and --step-batch-size-schedule were both given: choose one")
+    if args.step_batch_size_schedule is not None:
+        schedule = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+        final = schedule[-1][1]
+        if args.global_batch_size not in (None, final):
+            raise ValueError(
+                f"--global-batch-size {args.global_batch_size} differs from the last batch {final} of "
+                f'--step-batch-size-schedule "{args.step_batch_size_schedule}": drop one or make them agree'
+            )
+        args.global_batch_size = final
+    elif args.rampup_batch_size is not None:
+        if args.global_batch_size is None:
+            raise ValueError("--rampup-batch-size needs --global-batch-size: the size the ramp ends at")
+        schedule = rampup_schedule(*args.rampup_batch_size, args.global_batch_size)
+    return Layout(
+        world_size,
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        batch_schedule=schedule,
+    )
 
 
 def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
@@ -290,17 +356,15 @@ def _profile_errors(args: PretrainArgs, world_size: int) -> list[str]:
     return errors
 
 
-def _deepspeed_errors(args: PretrainArgs, dims: ParallelDims) -> list[str]:
+def _deepspeed_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     """--deepspeed: data parallelism only, fp32, and a config that obeys DeepSpeed's batch rule."""
-    from distlab.gpt.deepspeed_engine import refuse_model_parallel
-
     if not args.deepspeed:
         given = [f for f in ("deepspeed_config", "zero_stage") if getattr(args, f) is not None]
         flags = {"deepspeed_config": "--deepspeed_config", "zero_stage": "--zero-stage"}
         return [f"{flags[f]} was given without --deepspeed" for f in given]
     errors = []
     try:
-        refuse_model_parallel(dims.tp, dims.pp)
+        deepspeed_config.refuse_model_parallel(layout.tp, layout.pp)
     except ValueError as exc:
         errors.append(str(exc))
     if args.save or args.load:
@@ -313,25 +377,31 @@ def _deepspeed_errors(args: PretrainArgs, dims: ParallelDims) -> list[str]:
             "--deepspeed runs in fp32 in this course: drop --fp16/--bf16 (the precision fixes are "
             "shown without DeepSpeed)"
         )
+    if layout.batch_schedule:
+        errors.append(
+            "--deepspeed with a batch-size ramp: DeepSpeed's config fixes train_batch_size; drop "
+            "--rampup-batch-size / --step-batch-size-schedule"
+        )
     try:
-        deepspeed_config(args, dims)
+        deepspeed_config.run_config(args, layout)
     except ValueError as exc:
         errors.append(str(exc))
     return errors
 
 
-def deepspeed_config(args: PretrainArgs, dims: ParallelDims) -> dict:
-    """The run's DeepSpeed config: --deepspeed_config (or none) filled and checked by the run."""
-    from distlab.gpt.deepspeed_engine import load_config
-
-    accumulation = args.global_batch_size // (args.micro_batch_size * dims.dp)
-    return load_config(
-        args.deepspeed_config or {},
-        micro_batch_size=args.micro_batch_size,
-        accumulation_steps=accumulation,
-        world_size=dims.world_size,
-        zero_stage=args.zero_stage,
-        clip_grad=args.clip_grad or None,
+def _recompute_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """Megatron-LM's recomputation rules (``recompute.recompute_errors``), where
+    ``--recompute-activations`` is ``--recompute-granularity selective``."""
+    if args.recompute_activations and args.recompute_granularity == "full":
+        return [
+            "--recompute-activations (selective recomputation) and --recompute-granularity full "
+            "were both given: choose one"
+        ]
+    return recompute_errors(
+        granularity_of(args.recompute_activations, args.recompute_granularity),
+        args.recompute_method,
+        args.recompute_num_layers,
+        args.num_layers // layout.pp,
     )
 
 

@@ -1,15 +1,16 @@
 """Everything a training run holds, built once: :class:`Run` and :func:`build_run`.
 
-    build_run(args, ctx)   layout and banner, tokenizer and padded vocabulary, datasets, memory
-                           cap and meter, model, optimizer, loss scaler, LR schedule,
-                           forward/backward, DeepSpeed's engine (--deepspeed), --load
+    build_run(args, layout, ctx)   process groups of the validated layout and the banner,
+                                   tokenizer and padded vocabulary, datasets, memory cap and
+                                   meter, model, optimizer, precision and loss scaler, LR
+                                   schedule, forward/backward, the step back end, --load
 
 Start-up lines follow Megatron's, printed by rank 0 (the parameter count by every
-data-parallel rank 0: one line per model shard). ``Run.step`` is the one function that turns a
-global batch into a ``StepResult`` (:func:`optimizer_step`: forward/backward, gradient
-finalisation, optimizer step); with ``--deepspeed`` it is :func:`deepspeed_step`, because
-DeepSpeed's engine owns the gradients (ZeRO shards them) and wraps the run's own optimizer,
-whose learning rate the schedule still sets.
+data-parallel rank 0: one line per model shard). :meth:`Run.step` is the one function that
+turns a global batch into a ``StepResult``: ``training.train_step`` through the run's back end,
+this engine's own (``training.LocalBackend``) or, with ``--deepspeed``, DeepSpeed's engine
+(``deepspeed_engine.DeepSpeedBackend``: ZeRO shards the gradients and wraps the run's own
+optimizer, whose learning rate the schedule still sets).
 """
 
 from __future__ import annotations
@@ -22,39 +23,25 @@ from dataclasses import dataclass
 import torch
 
 from distlab.distributed import DistContext, cap_cpu_threads, print_on
-from distlab.gpt import checkpointing, deepspeed_engine, log
-from distlab.gpt.arguments import PretrainArgs, deepspeed_config, parse_split
+from distlab.gpt import checkpointing, deepspeed_config, deepspeed_engine, log
+from distlab.gpt.arguments import PretrainArgs, parse_split
 from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
-from distlab.gpt.loss_scaler import DynamicLossScaler, autocast, describe_precision
+from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
+from distlab.gpt.layout import Layout
+from distlab.gpt.loss_scaler import DynamicLossScaler
 from distlab.gpt.memory import PeakMeter, cap_device_memory
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.optimizer import LRSchedule, build_optimizer
-from distlab.gpt.parallel_state import ParallelDims, ParallelState
+from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel import PipelineForwardBackward, describe
 from distlab.gpt.pipeline_timeline import PipelineTimeline
 from distlab.gpt.pp_communications import P2PSpec
+from distlab.gpt.precision import Precision
+from distlab.gpt.recompute import granularity_of
 from distlab.gpt.tensor_parallel import pad_vocab_size, vocab_padding_message
 from distlab.gpt.tokenizer import GPT2BPETokenizer
-from distlab.gpt.training import StepResult, forward_backward, micro_batches, train_step
-
-
-def optimizer_step(run: Run, batches: list) -> StepResult:
-    """One global batch: forward/backward, gradient finalisation, optimizer step (``Run.step``)."""
-    return train_step(
-        run.model,
-        run.optimizer,
-        batches,
-        state=run.state,
-        clip_grad=run.args.clip_grad,
-        scaler=run.scaler,
-        autocast=run.autocast,
-        forward_backward_fn=run.forward_backward,
-    )
-
-
-def deepspeed_step(run: Run, batches: list) -> StepResult:
-    """One global batch through DeepSpeed's engine (``Run.step`` with ``--deepspeed``)."""
-    return deepspeed_engine.train_step(run.engine, batches, autocast=run.autocast)
+from distlab.gpt.training import LocalBackend, forward_backward, micro_batches, train_step
+from distlab.logs.formats import BATCH, PARAMETERS
 
 
 @dataclass
@@ -62,9 +49,10 @@ class Run:
     """Everything one training run holds, built once by :func:`build_run`."""
 
     args: PretrainArgs
+    layout: Layout  # sizes and batch arithmetic, validated once by validate_args
     ctx: DistContext
     state: ParallelState
-    num_micro_batches: int  # m = global batch / (micro batch x dp), checked by validate_args
+    precision: Precision
     vocab_size: int  # V, padded
     datasets: list[GPTDataset | None]  # train, validation, test
     model: GPTModel
@@ -76,8 +64,7 @@ class Run:
     tlog: log.TrainingLog
     tensorboard: log.TensorBoardLog
     peak_meter: PeakMeter  # started just before the model was built
-    step: Callable[[Run, list], StepResult] = optimizer_step  # one global batch -> StepResult
-    engine: object = None  # DeepSpeed's engine with --deepspeed
+    backend: StepBackend  # LocalBackend, or DeepSpeed's engine with --deepspeed
     deepspeed_config: dict | None = None
     iteration: int = 0
     consumed: int = 0  # samples
@@ -93,33 +80,49 @@ class Run:
         return self.state.rank == self.ctx.world_size - 1
 
     def autocast(self):
-        return autocast(self.args, self.ctx.device)
+        return self.precision.autocast(self.ctx.device)
 
-    def batches(self, dataset: GPTDataset, first_sample: int) -> list:
+    def step(self, batches: list[MicroBatch]) -> StepResult:
+        """One global batch: forward/backward, gradient reduction, optimizer step."""
+        return train_step(
+            self.backend,
+            batches,
+            state=self.state,
+            autocast=self.autocast,
+            forward_backward_fn=self.forward_backward,
+        )
+
+    def batches(self, dataset: GPTDataset, first_sample: int, num_micro_batches: int) -> list[MicroBatch]:
         return micro_batches(
             dataset,
             first_sample,
-            micro_batch_size=self.args.micro_batch_size,
-            num_micro_batches=self.num_micro_batches,
+            micro_batch_size=self.layout.micro_batch_size,
+            num_micro_batches=num_micro_batches,
             state=self.state,
             device=self.ctx.device,
         )
 
 
-def build_run(args: PretrainArgs, ctx: DistContext) -> Run:
-    """Layout, data, model, optimizer and schedule, printing Megatron's start-up lines."""
-    state = ParallelState.build(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
-    m = args.global_batch_size // (args.micro_batch_size * state.dp)
+def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
+    """Groups, data, model, optimizer and schedule, printing Megatron's start-up lines."""
+    state = ParallelState.build(layout)
+    precision = Precision.from_args(args)
     rank0, device = state.rank == 0, ctx.device
     threads = cap_cpu_threads(ctx.env.local_world_size) if device.type == "cpu" else f"device: {device}"
     print_on(
         rank0,
         state.banner(),
         f"> launcher: {ctx.env.launcher}, backend: {ctx.backend}, {threads}",
-        describe_precision(args, device),
-        f"> global batch size {args.global_batch_size} = micro batch {args.micro_batch_size} x "
-        f"data-parallel {state.dp} x accumulation steps {m}",
+        precision.describe(device),
+        BATCH.format(
+            global_batch=layout.global_batch_size,
+            micro_batch=layout.micro_batch_size,
+            dp=layout.dp,
+            accumulation=layout.num_micro_batches,
+        ),
     )
+    if layout.batch_schedule:
+        print_on(rank0, ramp_line(layout))
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
     vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
     print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab))
@@ -129,59 +132,73 @@ def build_run(args: PretrainArgs, ctx: DistContext) -> Run:
     if args.deepspeed:
         importlib.import_module("deepspeed")  # importing it allocates: before the meter's baseline
     if device.type == "cpu":
-        _warm_up_kernels(args)
+        _warm_up_kernels(args, precision)
     peak_meter = PeakMeter(device).start()
     model = _build_model(args, state, vocab, device)
+    optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()
     timeline = None
     if args.pipeline_timeline:
         timeline = PipelineTimeline(state.pp_rank, state.pp, device, group=state.pp_group)
     run = Run(
         args=args,
+        layout=layout,
         ctx=ctx,
         state=state,
-        num_micro_batches=m,
+        precision=precision,
         vocab_size=vocab,
         datasets=datasets,
         model=model,
-        optimizer=build_optimizer(model, args),
-        scaler=_build_scaler(args),
+        optimizer=optimizer,
+        scaler=scaler,
         lr_schedule=LRSchedule(args),
         forward_backward=_build_forward_backward(args, state, device, timeline),
         timeline=timeline,
         tlog=log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device),
         tensorboard=log.TensorBoardLog(args, enabled=state.rank == ctx.world_size - 1),
         peak_meter=peak_meter,
+        backend=LocalBackend(model, optimizer, state, clip_grad=args.clip_grad, scaler=scaler),
     )
     if args.deepspeed:
         use_deepspeed(run)
     if args.load:
         load(run)
     if state.pp > 1:
-        print_on(rank0, describe(args.pipeline_schedule, state.pp, m))
+        print_on(rank0, describe(args.pipeline_schedule, state.pp, layout.num_micro_batches))
     return run
+
+
+def ramp_line(layout: Layout) -> str:
+    """The start-up line of a batch-size ramp: each step's first sample and global batch."""
+    steps = ", ".join(f"{size} from sample {first}" for first, size in layout.batch_schedule)
+    return f"> batch-size ramp: global batch {steps}"
 
 
 def use_deepspeed(run: Run) -> None:
     """Hand the model and the run's optimizer to ``deepspeed.initialize``; step through the engine."""
-    config = deepspeed_config(run.args, run.state.dims)
-    print_on(run.rank0, deepspeed_engine.describe(config))
-    run.engine = deepspeed_engine.initialize(run.model, run.optimizer, config)
-    run.deepspeed_config, run.step = config, deepspeed_step
+    config = deepspeed_config.run_config(run.args, run.layout)
+    print_on(run.rank0, deepspeed_config.describe(config))
+    engine = deepspeed_engine.initialize(run.model, run.optimizer, config)
+    run.deepspeed_config, run.backend = config, deepspeed_engine.DeepSpeedBackend(engine)
 
 
-def _warm_up_kernels(args: PretrainArgs) -> None:
+def _warm_up_kernels(args: PretrainArgs, precision: Precision) -> None:
     """One step of a one-layer GPT (same precision and recomputation), thrown away, so that the
     code of the kernels and the thread pools are resident before the CPU meter's baseline: the
     first iteration's peak is then the run's tensors, not libtorch's pages (about 180 MiB)."""
     cfg = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=2, vocab_size=128,
-                    max_position_embeddings=16, recompute_activations=args.recompute_activations)  # fmt: skip
-    single = ParallelState(ParallelDims(1), rank=0)
+                    max_position_embeddings=16,
+                    recompute_granularity=granularity_of(args.recompute_activations, args.recompute_granularity),
+                    recompute_method=args.recompute_method,
+                    recompute_num_layers=1 if args.recompute_num_layers else None,  # of its one layer
+                    attention_backend=args.attention_backend)  # fmt: skip
+    single = ParallelState(Layout(1), rank=0)
     model = GPTModel(cfg, single)
     tokens = torch.randint(0, 128, (2, 17))  # (b, s + 1)
     batches = [(tokens[:, :-1], tokens[:, 1:])]  # tokens, labels: (b, s) each
-    cpu_autocast = functools.partial(autocast, args, torch.device("cpu"))
-    train_step(model, build_optimizer(model, args), batches, state=single, clip_grad=1.0, scaler=None,
-               autocast=cpu_autocast)  # fmt: skip
+    backend = LocalBackend(model, build_optimizer(model, args), single, clip_grad=1.0)
+    train_step(
+        backend, batches, state=single, autocast=functools.partial(precision.autocast, torch.device("cpu"))
+    )
 
 
 def _build_datasets(args: PretrainArgs, rank0: bool) -> list[GPTDataset | None]:
@@ -208,24 +225,22 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
         init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
-        recompute_activations=args.recompute_activations,
+        recompute_granularity=granularity_of(args.recompute_activations, args.recompute_granularity),
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        attention_backend=args.attention_backend,
         seed=args.seed,
     )
     model = GPTModel(cfg, state).to(device)
     print_on(
         state.dp_rank == 0,
-        f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
-        f"{state.pp_rank}): {sum(p.numel() for p in model.parameters())}",
+        PARAMETERS.format(
+            tp_rank=state.tp_rank,
+            pp_rank=state.pp_rank,
+            parameters=sum(p.numel() for p in model.parameters()),
+        ),
     )
     return model
-
-
-def _build_scaler(args: PretrainArgs) -> DynamicLossScaler | None:
-    if not args.fp16:
-        return None
-    return DynamicLossScaler(
-        args.initial_loss_scale, args.min_loss_scale, args.loss_scale_window, args.hysteresis
-    )
 
 
 def _build_forward_backward(
@@ -243,9 +258,9 @@ def load(run: Run) -> None:
     """Resume from ``--load`` (model, optimizer, scaler, RNG, iteration, consumed samples)."""
     loaded = checkpointing.load_checkpoint(run.args, run.state, run.model, run.optimizer)
     if loaded is None:
-        print_on(run.rank0, f"> no checkpoint in {run.args.load}: starting from scratch")
+        print_on(run.rank0, checkpointing.resume_line(run.args.load, None, run.ctx))
         return
     run.iteration, run.consumed, scaler_state = loaded
     if run.scaler is not None and scaler_state is not None:
         run.scaler.load_state_dict(scaler_state)
-    print_on(run.rank0, f"> loaded checkpoint from {run.args.load} at iteration {run.iteration}")
+    print_on(run.rank0, checkpointing.resume_line(run.args.load, run.iteration, run.ctx))

@@ -10,7 +10,7 @@ matching rows (row-parallel: proj, fc2). ``f`` is the identity forward and an al
 ``g`` an all-reduce forward and the identity backward: 2 all-reduces forward, 2 backward.
 
 ``tp2_pp2_placement``: world 4 = TP 2 x PP 2 x DP 1 on 2 nodes x 2 GPUs, placed in Megatron's
-rank order (``ParallelDims``): a tensor-parallel pair inside each node, the pipeline across.
+rank order (``Layout``): a tensor-parallel pair inside each node, the pipeline across.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
 from distlab import REPO_ROOT  # noqa: E402
-from distlab.gpt.parallel_state import ParallelDims  # noqa: E402
+from distlab.gpt.layout import Layout  # noqa: E402
 
 OP = "#fdd49e"  # f / g operators
 COMM = "#e34a33"
@@ -99,7 +99,7 @@ def draw_tp_block(out_dir: Path, heads: int = 4, ffn: int = 256) -> Path:
 
 def draw_placement(out_dir: Path, nodes: int = 2, per_node: int = 2, tp: int = 2, pp: int = 2) -> Path:
     """Ranks of TP x PP on ``nodes`` x ``per_node`` devices in Megatron's order, with their groups."""
-    dims = ParallelDims(nodes * per_node, tp, pp)
+    layout = Layout(nodes * per_node, tp, pp)
     fig, ax = plt.subplots(figsize=(9, 3.8))
     pos, node_w = {}, 1.8 * per_node + 0.2
     for n in range(nodes):
@@ -108,16 +108,16 @@ def draw_placement(out_dir: Path, nodes: int = 2, per_node: int = 2, tp: int = 2
         ax.text(x0 + 0.1, 1.8, f"node{n + 1}", ha="left", fontsize=11, weight="bold")
         for local in range(per_node):
             rank = n * per_node + local
-            t, d, p = dims.coords(rank)
+            t, d, p = layout.coords(rank)
             x = x0 + 0.3 + local * 1.8
             face = matplotlib.colors.to_hex(f"C{p}") + "66"
             _box(ax, x, 0.45, 1.2, 1.1, f"GPU {local}: rank {rank}\ntp {t}  pp {p}  dp {d}", face, size=8)
             pos[rank] = (x, x + 1.2)
-    for group in dims.tp_groups():
+    for group in layout.groups("tp"):
         (_, a), (b, _) = pos[group[0]], pos[group[-1]]
         _arrow(ax, (a, 1.0), (b, 1.0), COMM, "<|-|>")
         ax.text((a + b) / 2, 0.12, "TP all-reduce, inside the node", ha="center", fontsize=7, color=COMM)
-    for group in dims.pp_groups():
+    for group in layout.groups("pp"):
         a, b = sum(pos[group[0]]) / 2, sum(pos[group[-1]]) / 2
         ax.add_patch(FancyArrowPatch((a, 1.6), (b, 1.6), arrowstyle="-|>", mutation_scale=10, color="C2",
                                      connectionstyle="arc3,rad=-0.25"))  # fmt: skip
@@ -126,7 +126,7 @@ def draw_placement(out_dir: Path, nodes: int = 2, per_node: int = 2, tp: int = 2
     ax.set_xlim(-0.3, nodes * (node_w + 0.8))
     ax.set_ylim(-0.1, 2.9)
     ax.axis("off")
-    ax.set_title(f"TP={tp} x PP={pp} x DP={dims.dp} on {nodes} nodes x {per_node} GPUs (Megatron rank order)",
+    ax.set_title(f"TP={tp} x PP={pp} x DP={layout.dp} on {nodes} nodes x {per_node} GPUs (Megatron rank order)",
                  fontsize=10)  # fmt: skip
     return _save(fig, out_dir / "tp2_pp2_placement.png")
 

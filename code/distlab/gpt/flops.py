@@ -2,9 +2,10 @@
 
 Megatron's formula counts the matrix multiplications of one global batch of ``B`` samples of
 length ``T``, ``L`` layers, width ``H``, vocabulary ``V`` (notation: ``distlab.gpt``'s legend);
-forward + backward is 3 forwards (backward costs two), 4 with activation recomputation::
+forward + backward is 3 forwards (backward costs two), 4 with full recomputation (a second
+forward of every block; selective recomputation redoes only the attention scores, not counted)::
 
-    F = 24 c B T L H^2 (1 + T / (6 H) + V / (16 L H)),   c = 3 (or 4 with recomputation)
+    F = 24 c B T L H^2 (1 + T / (6 H) + V / (16 L H)),   c = 3 (or 4 with full recomputation)
 
     TFLOP/s per device = F / (time per iteration x world size) / 1e12
     MFU                = TFLOP/s per device / peak of the device (when known)
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.recompute import granularity_of
 
 #: Dense bf16/fp16 tensor-core peaks (TFLOP/s) by a substring of the device name.
 PEAK_TFLOPS = {
@@ -32,7 +34,7 @@ PEAK_TFLOPS = {
 def model_flops_per_iteration(args: PretrainArgs, vocab_size: int) -> float:
     """Forward + backward FLOPs of one global batch (see the module docstring)."""
     B, T, L, H = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size
-    c = 4 if args.recompute_activations else 3
+    c = 4 if granularity_of(args.recompute_activations, args.recompute_granularity) == "full" else 3
     return 24.0 * c * B * T * L * H * H * (1.0 + T / (6.0 * H) + vocab_size / (16.0 * L * H))
 
 

@@ -8,13 +8,13 @@ The throughput fields of the iteration line (tokens/s, TFLOP/s per device, MFU) 
 from __future__ import annotations
 
 import os
-import re
 import time
 
 import torch
 
 from distlab.gpt.arguments import PretrainArgs, profile_ranks
 from distlab.gpt.flops import device_peak_tflops, model_flops_per_iteration
+from distlab.logs.formats import ITERATION, VALIDATION
 
 
 def iteration_line(
@@ -34,43 +34,33 @@ def iteration_line(
     tflops_per_device: float,
     mfu: float | None,
 ) -> str:
-    """Megatron's training log line, then throughput fields."""
-    line = (
-        f" iteration {iteration:8d}/{train_iters:8d} |"
-        f" consumed samples: {consumed_samples:12d} |"
-        f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-        f" learning rate: {lr:.3E} |"
-        f" global batch size: {global_batch_size:5d} |"
-        f" lm loss: {loss:.6E} |"
-        f" loss scale: {loss_scale:.1f} |"
+    """Megatron's training log line, then throughput fields: ``distlab.logs.formats.ITERATION``."""
+    return ITERATION.format(
+        it=iteration,
+        total=train_iters,
+        samples=consumed_samples,
+        ms=elapsed_ms,
+        lr=lr,
+        gbs=global_batch_size,
+        loss=loss,
+        scale=loss_scale,
+        gnorm=grad_norm,
+        skipped=skipped,
+        nan=nan,
+        tokens_per_s=tokens_per_s,
+        tflops=tflops_per_device,
+        mfu_percent=None if mfu is None else 100 * mfu,
     )
-    if grad_norm is not None:
-        line += f" grad norm: {grad_norm:.3f} |"
-    line += (
-        f" number of skipped iterations: {skipped:3d} |"
-        f" number of nan iterations: {nan:3d} |"
-        f" tokens per second: {tokens_per_s:.1f} |"
-        f" TFLOP/s per device: {tflops_per_device:.3f} |"
-    )
-    if mfu is not None:
-        line += f" MFU: {100 * mfu:.1f}% |"
-    return line
 
 
 #: What the notebooks grep for; tests check ``iteration_line`` against it.
-ITERATION_RE = re.compile(
-    r"^ iteration +(?P<it>\d+)/ +(?P<total>\d+) \| consumed samples: +(?P<samples>\d+) \|"
-    r" elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \| learning rate: (?P<lr>[\d.E+-]+) \|"
-    r" global batch size: +(?P<gbs>\d+) \| lm loss: (?P<loss>[\d.E+-]+|NAN|INF) \|"
-    r" loss scale: (?P<scale>[\d.]+) \|( grad norm: (?P<gnorm>[\d.]+|nan|inf) \|)?"
-    r" number of skipped iterations: +(?P<skipped>\d+) \| number of nan iterations: +(?P<nan>\d+) \|"
-)
+ITERATION_RE = ITERATION.regex
 
 
 def validation_lines(label: str, loss: float) -> list[str]:
-    """Megatron's boxed validation report: loss and perplexity."""
+    """Megatron's boxed validation report: loss and perplexity (``distlab.logs.formats.VALIDATION``)."""
     ppl = float("inf") if loss > 700 else float(torch.tensor(loss).exp())
-    body = f" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    body = VALIDATION.format(label=label, loss=loss, ppl=ppl)
     bar = "-" * (len(body) + 1)
     return [bar, body, bar]
 
@@ -120,15 +110,18 @@ class TensorBoardLog:
         grad_norm: float | None,
         iter_ms: float,
         timers: dict[str, float],
+        global_batch_size: int | None = None,
     ) -> None:
+        """One iteration's scalars; ``global_batch_size``: this step's (a ramp's), else the final."""
         w, a = self.writer, self.args
         if w is None:
             return
+        batch = global_batch_size or a.global_batch_size
         w.add_scalar("learning-rate", lr, iteration)
         w.add_scalar("learning-rate vs samples", lr, samples)
         if a.log_batch_size_to_tensorboard:
-            w.add_scalar("batch-size", a.global_batch_size, iteration)
-            w.add_scalar("batch-size vs samples", a.global_batch_size, samples)
+            w.add_scalar("batch-size", batch, iteration)
+            w.add_scalar("batch-size vs samples", batch, samples)
         w.add_scalar("lm loss", loss, iteration)
         w.add_scalar("lm loss vs samples", loss, samples)
         if a.fp16:
@@ -175,6 +168,7 @@ class TrainingLog:
         self._losses: list[float] = []
         self._ms: list[float] = []
         self._skipped = self._nan = 0
+        self._batch = args.global_batch_size  # this step's global batch (a ramp changes it)
 
     def record(
         self,
@@ -188,9 +182,11 @@ class TrainingLog:
         lr: float,
         loss_scale: float,
         iter_ms: float,
+        global_batch_size: int | None = None,
     ) -> str | None:
-        """Add one iteration (``iter_ms``: the whole of it, data, step and logging); return the
-        log line when one is due."""
+        """Add one iteration (``iter_ms``: the whole of it, data, step and logging; its global
+        batch, a ramp's, else the final); return the log line when one is due."""
+        self._batch = global_batch_size or self.args.global_batch_size
         h = self.history
         for key, val in (
             ("iterations", iteration),
@@ -219,20 +215,21 @@ class TrainingLog:
     ) -> str:
         a = self.args
         iter_s = sum(self._ms) / len(self._ms) / 1000
-        tflops = self.flops / iter_s / self.world_size / 1e12
+        flops = self.flops * self._batch / a.global_batch_size  # the FLOPs scale with the batch
+        tflops = flops / iter_s / self.world_size / 1e12
         return iteration_line(
             iteration=iteration,
             train_iters=a.train_iters,
             consumed_samples=consumed,
             elapsed_ms=1000 * iter_s,
             lr=lr,
-            global_batch_size=a.global_batch_size,
+            global_batch_size=self._batch,
             loss=sum(self._losses) / len(self._losses) if self._losses else float("nan"),
             loss_scale=loss_scale,
             grad_norm=grad_norm,
             skipped=self._skipped,
             nan=self._nan,
-            tokens_per_s=a.global_batch_size * a.seq_length / iter_s,
+            tokens_per_s=self._batch * a.seq_length / iter_s,
             tflops_per_device=tflops,
             mfu=tflops / self.peak if self.peak else None,
         )

@@ -1,4 +1,4 @@
-"""Dynamic loss scaling for fp16, and the precision a run really uses.
+"""Dynamic loss scaling for fp16 (the run's precision itself is decided in ``precision.py``).
 
 fp16 holds magnitudes in [6e-8, 65504]: small gradients underflow to 0 unless the loss is
 multiplied by a scale ``S`` before backward (gradients are then ``S g``, divided by ``S``
@@ -6,20 +6,13 @@ before the step). Megatron's dynamic rule, with window ``W`` and hysteresis ``H`
 
     any grad inf/nan on any rank  ->  skip the step; after H such overflows S <- max(S / 2, S_min)
     W clean steps in a row        ->  S <- 2 S  (and hysteresis is restored)
-
-On CPU and GPU alike the model keeps fp32 ("master") weights and the optimizer updates them;
-the forward/backward compute runs under ``torch.autocast`` in fp16 or bf16.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from distlab.gpt.arguments import PretrainArgs
 
 
 class DynamicLossScaler:
@@ -77,30 +70,3 @@ def unscale_and_check(
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
     return bool(found.item())
-
-
-def compute_dtype(args: PretrainArgs) -> torch.dtype:
-    return torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
-
-
-def autocast(args: PretrainArgs, device: torch.device) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` in the run's precision, or nothing for fp32."""
-    dtype = compute_dtype(args)
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def describe_precision(args: PretrainArgs, device: torch.device) -> str:
-    """The log line that says what precision is really used."""
-    if args.fp16:
-        return (
-            f"precision: fp16 autocast on {device.type} (fp32 master weights and optimizer), dynamic "
-            f"loss scaling from {args.initial_loss_scale:g} (window {args.loss_scale_window}, "
-            f"hysteresis {args.hysteresis})"
-        )
-    if args.bf16:
-        return (
-            f"precision: bf16 autocast on {device.type} (fp32 master weights and optimizer), no loss scaling"
-        )
-    return f"precision: fp32 on {device.type}"

@@ -14,20 +14,28 @@ What training itself costs, to compare with ``memory_estimate``'s prediction, is
 allocated then, or on the CPU the peak resident set (``VmHWM``, its mark reset) above the
 resident set then. :func:`cap_device_memory` is ``--device-memory-gib``: a CUDA budget that
 makes an out-of-memory sweep fail at the same micro batch on a 16 GB and an 80 GB card.
+
+This file measures; ``memory_estimate`` (torch-free) predicts, from a
+:class:`~distlab.gpt.memory_estimate.MemorySetup` built by ``MemorySetup.from_run``.
 """
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.gpt.memory_estimate import MemorySetup, cpu_peak_since, reset_cpu_peak
+from distlab.logs.formats import MEMORY, RANK_COORDS
+
+if TYPE_CHECKING:
+    pass
 
 MiB = 2**20
 GiB = 2**30
@@ -67,12 +75,16 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None, devi
 
 
 def format_memory(rank: int, stats: dict, coords: str = "") -> str:
-    """One line per rank, in MiB."""
-    return (
-        f"[rank {rank}{coords}] memory (MiB): parameters {stats['parameters'] / MiB:.2f} "
-        f"({stats['num_parameters']:,} values) | gradients {stats['gradients'] / MiB:.2f} | "
-        f"optimizer state {stats['optimizer_state'] / MiB:.2f} | "
-        f"{stats['peak_kind']} {stats['peak'] / MiB:.1f}"
+    """One line per rank, in MiB: ``distlab.logs.formats.MEMORY`` (``coords``: ``RANK_COORDS``'s text, or "")."""
+    return MEMORY.format(
+        rank=rank,
+        coords=coords,
+        params_mib=stats["parameters"] / MiB,
+        values=stats["num_parameters"],
+        grads_mib=stats["gradients"] / MiB,
+        optim_mib=stats["optimizer_state"] / MiB,
+        peak_kind=stats["peak_kind"],
+        peak_mib=stats["peak"] / MiB,
     )
 
 
@@ -85,13 +97,32 @@ def memory_report(
     (tp, pp, dp) coordinates. Call it on every rank; print the result on one.
     """
     stats = memory_stats(model, optimizer, device)
-    coords = f" tp {state.tp_rank} pp {state.pp_rank} dp {state.dp_rank}" if state is not None else ""
+    coords = (
+        RANK_COORDS.format(tp=state.tp_rank, pp=state.pp_rank, dp=state.dp_rank) if state is not None else ""
+    )
     line = format_memory(dist.get_rank() if dist.is_initialized() else 0, stats, coords)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [line]
     lines: list = [None] * dist.get_world_size()
     dist.all_gather_object(lines, line)
     return lines
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def reset_cpu_peak() -> int:
+    """Reset the kernel's peak-RSS mark of this process (``clear_refs`` 5); return RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return 1024 * _status_kib("VmRSS")
+
+
+def cpu_peak_since(baseline: int) -> int:
+    """Peak RSS (``VmHWM``) above ``baseline`` bytes, since the last :func:`reset_cpu_peak`."""
+    return 1024 * _status_kib("VmHWM") - baseline
 
 
 @dataclass
@@ -144,25 +175,3 @@ def out_of_memory_message(exc: BaseException, micro_batch_size: int, device_memo
     rank = dist.get_rank() if dist.is_initialized() else 0
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"[rank {rank}] > out of memory at --micro-batch-size {micro_batch_size} ({cap}): {first}"
-
-
-def memory_setup(args, state, vocab_size: int, deepspeed_config: dict | None = None) -> MemorySetup:
-    """What ``memory_estimate.estimate`` needs, from the run's arguments and layout."""
-    zero = (deepspeed_config or {}).get("zero_optimization", {})
-    return MemorySetup(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        seq_length=args.seq_length,
-        vocab_size=vocab_size,
-        micro_batch_size=args.micro_batch_size,
-        precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
-        recompute_activations=args.recompute_activations,
-        num_micro_batches=args.global_batch_size // (args.micro_batch_size * state.dp),
-        tp=state.tp,
-        pp=state.pp,
-        dp=state.dp,
-        pipeline_schedule=args.pipeline_schedule,
-        zero_stage=zero.get("stage", 0),
-        offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu",
-    )

@@ -19,16 +19,37 @@ attention scores stored::
 
     s b h (34 + 5 a s / h) bytes  = attention 11 sbh + 5 a s^2 b, MLP 19 sbh, 2 LayerNorms 4 sbh
 
-This course's GPT has no dropout masks (dropout 0) and uses fused (flash) attention, which keeps
-its output instead of the s x s scores, so one block stores, in units of s b h values::
+This course's GPT has no dropout (dropout 0). In units of s b h values (t = tp), one block keeps::
 
-    LN1 input 1, qkv input 1, q k v 3, attention output 1, proj input 1,
-    LN2 input 1, fc1 input 1, GeLU input 4, fc2 input 4           = 17 (13 of them split by tp)
+    residual stream (LN1 and LN2 inputs), always fp32                          2
+    LN1 and LN2 outputs (qkv and fc1 inputs), whole on every tp rank           2
+    q k v 3, attention output = proj input 1, GeLU input 4, fc2 input 4       12 / t
+    --attention-backend unfused|local only: the softmax probabilities,
+      a s / h (the b a s^2 / t scores), fp32 and, under autocast, a half copy   a s / (h t)
 
-all fp32 in fp32 (68 sbh bytes); under autocast the two LayerNorm inputs (the residual stream)
-stay fp32 and the other 15 are half (38 sbh bytes). With ``--recompute-activations`` a block
-keeps only its input (4 sbh bytes) and one block is rebuilt at a time in backward. The loss
-head keeps the fp32 log-softmax (b s V) and needs two more b s V fp32 tensors in its backward.
+PyTorch's fused attention (``--attention-backend auto|flash|fused``) keeps no scores, only its
+output, which is the projection's input, and a log-sum-exp of b a s / t values (not counted).
+So a block keeps, in bytes::
+
+                         fused attention      explicit attention
+    fp32                 4 sbh (16)           4 sbh (16 + as/h)
+    autocast fp16/bf16     sbh (36)             sbh (36 + 6 as/h)     (the residual stream stays fp32)
+
+against Korthikanti's sbh (34 + 5as/h), which has half residuals, dropout masks and a half softmax.
+
+**Recomputation** (``recompute.py``, Megatron's flags), per block and micro-batch::
+
+    none                     the block, as above
+    selective                the block less its core attention's scores: 4 sbh (16) in fp32
+                             with either backend (fused attention had no scores to drop); one
+                             block's scores are rebuilt at a time in backward
+    full uniform N           each group of N blocks keeps its input, 4 sbh bytes (fp32); the
+                             group being rebuilt in backward holds its N blocks
+    full block N             the stage's first N blocks keep their input, 4 sbh bytes each, the
+                             other L / pp - N the block as above; one block rebuilt at a time
+
+The loss head keeps the fp32 log-softmax (b s V) and needs two more b s V fp32 tensors in its
+backward, which ends before any block is rebuilt: the peak adds the larger of the two.
 
 **Pipelines**: a stage holds L / pp layers; the first stage keeps the activations of
 min(pp, M) micro-batches under 1F1B, of all M under GPipe.
@@ -36,8 +57,21 @@ min(pp, M) micro-batches under 1F1B, of all M under GPipe.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from distlab.gpt.recompute import (
+    ATTENTION_BACKENDS,
+    EXPLICIT_BACKENDS,
+    checkpoint_groups,
+    granularity_of,
+    recompute_errors,
+)
+from distlab.logs.formats import PREDICTION
+
+if TYPE_CHECKING:
+    from distlab.gpt.arguments import PretrainArgs
+    from distlab.gpt.layout import Layout
 
 MiB = 2**20
 _HALF = ("fp16", "bf16")
@@ -61,7 +95,14 @@ class MemorySetup:
     """b."""
     precision: str = "fp32"
     """fp32, fp16 or bf16 (autocast over fp32 weights, as ``pretrain_gpt.py`` runs)."""
-    recompute_activations: bool = False
+    recompute_granularity: str | None = None
+    """None, "selective" or "full" (``--recompute-granularity``; ``--recompute-activations`` is selective)."""
+    recompute_method: str | None = None
+    """With full: "uniform" or "block"."""
+    recompute_num_layers: int | None = None
+    """N, with full."""
+    attention_backend: str = "auto"
+    """``--attention-backend``: unfused and local store the scores, the others do not."""
     num_micro_batches: int = 1
     """M, gradient-accumulation steps (micro-batches per step on this rank)."""
     tp: int = 1
@@ -83,6 +124,46 @@ class MemorySetup:
                 f"layers {self.num_layers} must divide by pp {self.pp} and hidden {self.hidden_size} "
                 f"by heads {self.num_attention_heads}"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention backend {self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
+            )
+        errors = recompute_errors(
+            self.recompute_granularity,
+            self.recompute_method,
+            self.recompute_num_layers,
+            self.num_layers // self.pp,
+        )
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @classmethod
+    def from_run(
+        cls, args: PretrainArgs, layout: Layout, vocab_size: int, deepspeed_config: dict | None = None
+    ) -> MemorySetup:
+        """The setup of a validated run: its arguments, layout (sizes, b, m at the final global
+        batch), padded vocabulary and DeepSpeed config (ZeRO stage, offload), if any."""
+        zero = (deepspeed_config or {}).get("zero_optimization", {})
+        return cls(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            seq_length=args.seq_length,
+            vocab_size=vocab_size,
+            micro_batch_size=layout.micro_batch_size,
+            precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+            recompute_granularity=granularity_of(args.recompute_activations, args.recompute_granularity),
+            recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers,
+            attention_backend=args.attention_backend,
+            num_micro_batches=layout.num_micro_batches,
+            tp=layout.tp,
+            pp=layout.pp,
+            dp=layout.dp,
+            pipeline_schedule=args.pipeline_schedule,
+            zero_stage=zero.get("stage", 0),
+            offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu",
+        )
 
 
 def num_parameters(L: int, h: int, V: int, s: int) -> int:
@@ -107,32 +188,52 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1) -> floa
     return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
 
 
-def layer_activation_bytes(c: MemorySetup) -> float:
-    """One block's stored activations in this course's GPT (see the module docstring)."""
-    sbh = c.seq_length * c.micro_batch_size * c.hidden_size
-    if c.recompute_activations:
-        return 4 * sbh  # the block's fp32 input only
-    half = c.precision in _HALF
-    residual, other = 2, 15  # residual-stream values (LN inputs), the rest
-    split = 13  # q k v, attention output, proj input, GeLU and fc2 inputs are split by tp
-    kept_whole = other - split
-    per_value = 2 if half else 4
-    return sbh * (4 * residual + per_value * (kept_whole + split / c.tp))
+def _sbh(c: MemorySetup) -> int:
+    return c.seq_length * c.micro_batch_size * c.hidden_size
+
+
+def scores_bytes(c: MemorySetup) -> float:
+    """The softmax probabilities the explicit attention keeps, b (a / t) s^2 values: fp32, plus
+    their half copy under autocast; 0 with fused attention."""
+    if c.attention_backend not in EXPLICIT_BACKENDS:
+        return 0.0
+    per_value = 4 + (2 if c.precision in _HALF else 0)
+    return per_value * c.micro_batch_size * c.num_attention_heads * c.seq_length**2 / c.tp
+
+
+def block_bytes(c: MemorySetup) -> float:
+    """One block's stored activations without recomputation (see the module docstring)."""
+    per_value = 2 if c.precision in _HALF else 4
+    residual, whole, split = 2, 2, 12  # fp32 LN inputs; LN outputs; split by tp
+    return _sbh(c) * (4 * residual + per_value * (whole + split / c.tp)) + scores_bytes(c)
+
+
+def _groups(c: MemorySetup) -> list[tuple[int, int, bool]]:
+    n = c.num_layers // c.pp
+    return checkpoint_groups(n, c.recompute_granularity, c.recompute_method, c.recompute_num_layers)
+
+
+def stage_layers_bytes(c: MemorySetup) -> float:
+    """The stage's blocks' stored activations for one micro-batch, by recomputation mode."""
+    if c.recompute_granularity == "selective":
+        return (c.num_layers // c.pp) * (block_bytes(c) - scores_bytes(c))
+    kept = [4 * _sbh(c) if ckpt else (end - first) * block_bytes(c) for first, end, ckpt in _groups(c)]
+    return sum(kept)  # a checkpointed group keeps its fp32 input only
 
 
 def recompute_extra_bytes(c: MemorySetup) -> float:
-    """With recomputation, the one block rebuilt in backward holds its full activations."""
-    if not c.recompute_activations:
-        return 0.0
-    full = MemorySetup(**{**c.__dict__, "recompute_activations": False})
-    return layer_activation_bytes(full)
+    """What backward rebuilds at once: the largest checkpointed group's blocks less its stored
+    input (full), one block's scores (selective), nothing without recomputation."""
+    if c.recompute_granularity == "selective":
+        return scores_bytes(c)
+    rebuilt = [end - first for first, end, ckpt in _groups(c) if ckpt]
+    return max(rebuilt) * block_bytes(c) - 4 * _sbh(c) if rebuilt else 0.0
 
 
 def head_bytes(c: MemorySetup) -> float:
     """Loss head: final LN in/out (2 sbh fp32) and three b s V fp32 tensors at its backward."""
-    sbh = c.seq_length * c.micro_batch_size * c.hidden_size
     bsv = c.micro_batch_size * c.seq_length * c.vocab_size / c.tp
-    return 4 * (2 * sbh + 3 * bsv)
+    return 4 * (2 * _sbh(c) + 3 * bsv)
 
 
 def activation_bytes(c: MemorySetup) -> float:
@@ -140,7 +241,7 @@ def activation_bytes(c: MemorySetup) -> float:
     alive = 1
     if c.pp > 1:
         alive = min(c.pp, c.num_micro_batches) if c.pipeline_schedule == "1f1b" else c.num_micro_batches
-    layers = (c.num_layers // c.pp) * layer_activation_bytes(c) * alive
+    layers = stage_layers_bytes(c) * alive
     head = head_bytes(c) if c.pp == 1 else 0.0
     return layers + max(head, recompute_extra_bytes(c))  # the head's backward ends before a rebuild
 
@@ -188,26 +289,7 @@ def estimate(c: MemorySetup) -> MemoryEstimate:
 
 
 def format_prediction(predicted: float, measured: float, how: str) -> str:
-    """The line printed after the first iteration: predicted vs measured, in MiB."""
+    """The line printed after the first iteration: predicted vs measured bytes, in MiB
+    (``distlab.logs.formats.PREDICTION``)."""
     error = 100.0 * (measured - predicted) / predicted
-    return (
-        f"> memory: predicted peak {predicted / MiB:.1f} MiB | measured {measured / MiB:.1f} MiB "
-        f"({how}) | error {error:+.1f}%"
-    )
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
-
-
-def reset_cpu_peak() -> int:
-    """Reset the kernel's peak-RSS mark of this process (``clear_refs`` 5); return RSS in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return 1024 * _status_kib("VmRSS")
-
-
-def cpu_peak_since(baseline: int) -> int:
-    """Peak RSS (``VmHWM``) above ``baseline`` bytes, since the last :func:`reset_cpu_peak`."""
-    return 1024 * _status_kib("VmHWM") - baseline
+    return PREDICTION.format(predicted=predicted / MiB, measured=measured / MiB, how=how, error=error)

@@ -20,6 +20,12 @@ the final LayerNorm + output head only if it is the last. A last stage that is n
 first holds its own copy of E (``output_weight``); the initialiser makes it equal to the first
 stage's E (same name, same seed), and ``gradients.py`` sums the two gradients, so they stay equal.
 
+Memory (``recompute.py``): ``--attention-backend`` picks the core attention, PyTorch's fused
+``scaled_dot_product_attention`` or :func:`unfused_attention` (which stores the (b, n, T, T)
+probabilities); ``--recompute-granularity selective`` checkpoints the core attention of every
+block, ``full`` checkpoints groups of whole blocks (:func:`~distlab.gpt.recompute.checkpoint_groups`).
+Every choice computes the same loss.
+
 Initialisation (:func:`init_parameters`, the only one): every unsharded tensor is drawn from a
 generator seeded by ``(--seed, the parameter's global name)`` and cut with
 ``tensor_parallel.shard`` along its ``partition_dim``. Every layout starts from the same weights.
@@ -37,6 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.recompute import ATTENTION_BACKENDS, EXPLICIT_BACKENDS, checkpoint_groups, recompute_errors
 from distlab.gpt.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -68,14 +75,42 @@ class GPTConfig:
     """std of the normal init; proj and fc2 use std / sqrt(2L) (GPT-2 / Megatron)."""
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    recompute_activations: bool = False
-    """Recompute every block in backward instead of storing its activations."""
+    recompute_granularity: str | None = None
+    """None, "selective" (checkpoint the core attention) or "full" (checkpoint whole blocks)."""
+    recompute_method: str | None = None
+    """With full granularity: "uniform" (groups of N blocks) or "block" (the stage's first N)."""
+    recompute_num_layers: int | None = None
+    """N, with full granularity: 1 <= N <= L / pp."""
+    attention_backend: str = "auto"
+    """auto, flash, fused: ``F.scaled_dot_product_attention``; unfused, local: :func:`unfused_attention`."""
     seed: int = 1234
     layernorm_epsilon: float = 1e-5
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention backend {self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
+            )
+
+
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + causal mask) V, spelt out: q, k, v (b, n, T, d) -> (b, n, T, d).
+
+    Backward keeps the (b, n, T, T) probabilities, in fp32 (softmax's output; Megatron's
+    attention_softmax_in_fp32) and, under autocast, their half copy that multiplies V: the
+    scores term of Korthikanti's s b h (34 + 5as/h), which selective recomputation removes.
+    """
+    T, d = q.shape[-2], q.shape[-1]
+    future = torch.full((T, T), float("-inf"), device=q.device).triu(1)  # (T, T): -inf above the diagonal
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(d)) + future  # (b, n, T, T)
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # stored for backward
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, v)  # (b, n, T, d)
 
 
 class SelfAttention(nn.Module):
@@ -86,6 +121,8 @@ class SelfAttention(nn.Module):
         self.heads = cfg.num_attention_heads // tp  # this rank's heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.dropout = cfg.attention_dropout
+        self.explicit = cfg.attention_backend in EXPLICIT_BACKENDS
+        self.recompute = cfg.recompute_granularity == "selective"
         self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, group=group)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, group=group)
 
@@ -93,11 +130,19 @@ class SelfAttention(nn.Module):
         b, T, _ = x.shape  # x: (b, T, H), replicated over the tp ranks
         qkv = self.qkv(x)  # f (identity forward, all-reduce of dx backward), then (b, T, 3H/tp)
         q, k, v = qkv.view(b, T, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(  # each of q, k, v: (b, n/tp, T, H/n)
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
+            y = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+        else:
+            y = self.core_attention(q, k, v)
         y = y.transpose(1, 2).reshape(b, T, self.heads * self.head_dim)  # (b, T, H/tp)
         return self.proj(y)  # partial (b, T, H) per rank, then g: all-reduce forward
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(Q K^T / sqrt(d)) V, causal: each (b, n/tp, T, H/n) -> (b, n/tp, T, H/n)."""
+        p = self.dropout if self.training else 0.0
+        if self.explicit:
+            return unfused_attention(q, k, v, p)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # stores no scores
 
 
 class MLP(nn.Module):
@@ -145,6 +190,14 @@ class GPTModel(nn.Module):
             self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # P: (T_max, H)
             self.drop = nn.Dropout(cfg.hidden_dropout)
         per_stage = cfg.num_layers // pp
+        errors = recompute_errors(
+            cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers, per_stage
+        )
+        if errors:
+            raise ValueError("; ".join(errors))
+        self.groups = checkpoint_groups(
+            per_stage, cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers
+        )
         first_layer = pp_rank * per_stage
         self.layers = nn.ModuleDict(
             {str(i): Block(cfg, self.tp_group, tp) for i in range(first_layer, first_layer + per_stage)}
@@ -182,17 +235,24 @@ class GPTModel(nn.Module):
             h = self.drop(self.wte(tokens) + self.wpe(pos))  # (b, T, H)
         else:
             h = self.input_tensor
-        for block in self.layers.values():
-            if self.cfg.recompute_activations and self.training:
-                h = checkpoint(block, h, use_reentrant=False)
+        blocks = list(self.layers.values())
+        for first, end, checkpointed in self.groups:  # full recomputation: keep each group's input only
+            if checkpointed and self.training:
+                h = checkpoint(_run_blocks, blocks[first:end], h, use_reentrant=False)
             else:
-                h = block(h)
+                h = _run_blocks(blocks[first:end], h)
         if not self.is_last:
             return h
         logits = parallel_lm_logits(self.ln_f(h), self.output_embedding(), self.tp_group)  # (b, T, V/tp)
         if labels is None:
             return gather_from_tensor_parallel(logits, self.tp_group)  # (b, T, V)
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
+
+
+def _run_blocks(blocks: list[Block], h: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        h = block(h)  # (b, T, H)
+    return h
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

@@ -33,6 +33,7 @@ from functools import partial
 
 import torch
 
+from .interfaces import BackwardFn, mean_backward
 from .parallel_state import ParallelState
 from .pipeline_timeline import PipelineTimeline, theoretical_bubble
 from .pp_communications import (
@@ -61,11 +62,12 @@ class _Stage:
     state: ParallelState
     spec: P2PSpec
     timeline: PipelineTimeline | None
-    scale: float  # loss_scale / m: the batch loss is the mean over micro-batches
+    backward_fn: BackwardFn  # the back end's hook, on the last stage's loss: d(loss_i x S / m)
+    m: int
     losses: list[torch.Tensor] = field(default_factory=list)  # on the last stage
 
     def forward(self, x: torch.Tensor | None, i: int) -> torch.Tensor:
-        """F_i: (b, T, H) out, or on the last stage the scaled loss (its value kept in losses)."""
+        """F_i: (b, T, H) out, or on the last stage the loss (its value also kept in losses)."""
         if x is not None:
             x.requires_grad_()
         with self.timeline.record("F", i) if self.timeline else nullcontext():
@@ -75,13 +77,15 @@ class _Stage:
         if y.dim() != 0:
             raise ValueError(f"the last stage's step must return a scalar loss, got shape {tuple(y.shape)}")
         self.losses.append(y.detach())
-        return y * self.scale
+        return y
 
     def backward(self, x: torch.Tensor | None, y: torch.Tensor, dy: torch.Tensor | None, i: int):
-        """B_i: back-propagate dy (None on the last stage: y is the loss); return dx."""
+        """B_i: back-propagate dy (on the last stage, y is the loss: the back end's hook); return dx."""
         with self.timeline.record("B", i) if self.timeline else nullcontext():
-            dy = dy.to(y.dtype) if dy is not None else None  # travelled as spec.dtype
-            torch.autograd.backward(y, grad_tensors=dy)
+            if self.state.is_last_stage:
+                self.backward_fn(y, i, self.m)
+            else:
+                torch.autograd.backward(y, grad_tensors=dy.to(y.dtype))  # dy travelled as spec.dtype
         return x.grad if x is not None else None
 
 
@@ -134,11 +138,13 @@ def forward_backward_pipeline(
     spec: P2PSpec,
     schedule: str = "1f1b",
     timeline: PipelineTimeline | None = None,
-    loss_scale: float = 1.0,
+    backward: BackwardFn = mean_backward,
 ) -> list[torch.Tensor]:
     """Run one batch through this rank's stage; gradients accumulate in ``.grad``.
 
-    Back-propagates ``loss_i x loss_scale / m`` per micro-batch (``loss_scale``: fp16's scale).
+    On the last stage ``backward(loss_i, i, m)`` back-propagates each micro-batch's loss (the
+    back end's hook: ``loss_i x S / m``, ``S`` fp16's scale); the other stages back-propagate
+    the gradient they receive.
     Returns the m per-micro-batch losses (detached, unscaled) on the last stage, ``[]``
     elsewhere. Finalise the gradients afterwards (``gradients.finalize_gradients``).
     """
@@ -148,7 +154,7 @@ def forward_backward_pipeline(
     run = run_gpipe if schedule == "gpipe" else run_1f1b
     if timeline is not None:
         timeline.start_step(schedule, num_microbatches)
-    stage = _Stage(step, state, spec, timeline, scale=loss_scale / num_microbatches)
+    stage = _Stage(step, state, spec, timeline, backward, num_microbatches)
     run(stage, num_microbatches)
     return stage.losses
 
@@ -211,7 +217,7 @@ class PipelineForwardBackward:
         model: torch.nn.Module,
         batches: list,
         *,
-        loss_scale: float = 1.0,
+        backward: BackwardFn = mean_backward,
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         forward_only: bool = False,
     ) -> torch.Tensor:
@@ -221,7 +227,7 @@ class PipelineForwardBackward:
             losses = forward_only_pipeline(step, **kw)
         else:
             losses = forward_backward_pipeline(
-                step, **kw, schedule=self.schedule, timeline=self.timeline, loss_scale=loss_scale
+                step, **kw, schedule=self.schedule, timeline=self.timeline, backward=backward
             )
         model.set_input_tensor(None)
         if losses:

@@ -1,8 +1,9 @@
 """The pretraining driver behind ``code/pretrain_gpt.py``: build everything once, then train.
 
-    pretrain(argv)        parse and validate the arguments (everything that can fail on bad
-                          input fails here, before a process group or a tensor exists), start
-                          the process group, build_run (``build.py``), train
+    pretrain(argv)        parse and validate the arguments into the run's one Layout
+                          (everything that can fail on bad input fails here, before a process
+                          group or a tensor exists), start the process group, build_run
+                          (``build.py``), train
     train(run)            the loop: Run.step, report_memory (after the first iteration: per rank,
                           and the estimator's predicted peak next to the measured one),
                           log_iteration, maybe_evaluate, maybe_save, time_exceeded;
@@ -24,10 +25,11 @@ from distlab.gpt import checkpointing, log
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
 from distlab.gpt.gpt_dataset import GPTDataset
-from distlab.gpt.memory import memory_report, memory_setup, out_of_memory_message
-from distlab.gpt.memory_estimate import estimate, format_prediction
+from distlab.gpt.interfaces import StepResult
+from distlab.gpt.memory import memory_report, out_of_memory_message
+from distlab.gpt.memory_estimate import MemorySetup, estimate, format_prediction
 from distlab.gpt.pipeline_timeline import bubble_summary, save_timeline
-from distlab.gpt.training import StepResult, evaluate
+from distlab.gpt.training import evaluate
 
 
 class OutOfMemory(RuntimeError):
@@ -38,19 +40,19 @@ def pretrain(argv: list[str] | None = None) -> dict:
     """Run pretraining from a command line; return the history (losses per iteration, ...)."""
     args = parse_args(argv)
     try:
-        validate_args(args, discover().world_size)
+        layout = validate_args(args, discover().world_size)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     ctx = init_distributed(args.distributed_backend, timeout_s=60 * args.distributed_timeout_minutes)
     run = None
     try:
-        run = build_run(args, ctx)
+        run = build_run(args, layout, ctx)
         return train(run)
     except torch.OutOfMemoryError as exc:  # CUDA's allocator (and --device-memory-gib's cap)
         raise OutOfMemory(out_of_memory_message(exc, args.micro_batch_size, args.device_memory_gib)) from None
     finally:
-        if run is not None and run.engine is not None:
-            run.engine.destroy()  # ZeRO's gradient hooks: reference cycles through C++ that gc cannot see
+        if run is not None:
+            run.backend.close()
         run = None  # unreachable now: shutdown() frees the run, then its groups' threads stop
         shutdown()
 
@@ -65,16 +67,17 @@ def train(run: Run) -> dict:
     run.model.train()
     while run.iteration < args.train_iters:
         lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
-        batches = run.batches(run.datasets[0], run.consumed)
+        batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
+        batches = run.batches(run.datasets[0], run.consumed, run.layout.micro_batches_at(run.consumed))
         before_ms = 1000 * timer.lap()  # the previous iteration's logging, evaluation, save; data
-        result = run.step(run, batches)
+        result = run.step(batches)
         step_ms = 1000 * timer.lap()
         run.iteration += 1
-        run.consumed += args.global_batch_size
+        run.consumed += batch
         if run.iteration == first_iteration:
             report_memory(run)
         profiler.step()
-        log_iteration(run, result, lr, before_ms + step_ms, step_ms)
+        log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
         maybe_evaluate(run)
         maybe_save(run)
         if time_exceeded(run, timer):
@@ -87,24 +90,31 @@ def report_memory(run: Run) -> None:
     """Every rank's parameters, gradients, optimizer state and peak (collective; rank 0 prints),
     then rank 0's peak as ``memory_estimate`` predicts it and as its :class:`PeakMeter` measured it."""
     lines = memory_report(run.model, run.optimizer, run.ctx.device, run.state)
-    setup = memory_setup(run.args, run.state, run.vocab_size, run.deepspeed_config)
-    predicted = estimate(setup).peak(first_iteration=True, accumulating=run.num_micro_batches > 1)
+    setup = MemorySetup.from_run(run.args, run.layout, run.vocab_size, run.deepspeed_config)
+    predicted = estimate(setup).peak(first_iteration=True, accumulating=run.layout.num_micro_batches > 1)
     line = format_prediction(predicted, *run.peak_meter.peak())
-    if run.engine is not None:  # the estimate has ZeRO's shards, not DeepSpeed's flat buffers and buckets
+    if (
+        run.deepspeed_config is not None
+    ):  # the estimate has ZeRO's shards, not DeepSpeed's flat buffers and buckets
         line += " (DeepSpeed's own buffers are not in the estimate)"
     print_on(run.rank0, *lines, line)
 
 
-def log_iteration(run: Run, result: StepResult, lr: float, iter_ms: float, step_ms: float) -> None:
+def log_iteration(
+    run: Run, result: StepResult, lr: float, iter_ms: float, step_ms: float, batch: int
+) -> None:
     """History, Megatron's line every --log-interval (last rank), TensorBoard scalars."""
     loss_scale = run.scaler.scale if run.scaler else 1.0
     fields = dict(loss=result.loss, lr=lr, loss_scale=loss_scale, grad_norm=result.grad_norm)
     line = run.tlog.record(
-        run.iteration, run.consumed, **fields, skipped=result.skipped, nan=result.nan, iter_ms=iter_ms
-    )
+        run.iteration, run.consumed, **fields, skipped=result.skipped, nan=result.nan, iter_ms=iter_ms,
+        global_batch_size=batch,
+    )  # fmt: skip
     print_on(run.last_rank and line is not None, line)
     timers = {"train-step": step_ms}
-    run.tensorboard.training(run.iteration, run.consumed, **fields, iter_ms=iter_ms, timers=timers)
+    run.tensorboard.training(
+        run.iteration, run.consumed, **fields, iter_ms=iter_ms, timers=timers, global_batch_size=batch
+    )
 
 
 def maybe_evaluate(run: Run) -> None:
@@ -124,8 +134,8 @@ def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboa
         first,
         eval_iters=run.args.eval_iters,
         global_batch_size=run.args.global_batch_size,
-        micro_batch_size=run.args.micro_batch_size,
-        num_micro_batches=run.num_micro_batches,
+        micro_batch_size=run.layout.micro_batch_size,
+        num_micro_batches=run.layout.num_micro_batches,
         state=run.state,
         device=run.ctx.device,
         autocast=run.autocast,

@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from distlab.logs.formats import VOCAB_PADDING
+
 from .tp_communications import (
     Group,
     copy_to_tensor_parallel,
@@ -70,7 +72,7 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) 
 
 def vocab_padding_message(vocab_size: int, padded: int) -> str:
     """The start-up line that reports the padding."""
-    return f"> padded vocab (size: {vocab_size}) with {padded - vocab_size} dummy tokens (new size: {padded})"
+    return VOCAB_PADDING.format(vocab_size=vocab_size, dummy=padded - vocab_size, padded=padded)
 
 
 def _init_linear(

@@ -1,4 +1,4 @@
-"""One training step and one evaluation, for every (tp, pp, dp) layout.
+"""One training step and one evaluation, for every (tp, pp, dp) layout and every back end.
 
 A step consumes one global batch of ``B = b x dp x m`` samples (micro-batch size ``b``, ``m``
 micro-batches per rank). Data-parallel rank ``r`` takes, for micro-batch ``k``, the samples::
@@ -13,8 +13,9 @@ batch's mean loss::
 
     g = (1 / dp) sum_r (1 / m) sum_k grad(loss_{r,k})
 
-:func:`forward_backward` runs the micro-batches one after the other (pp = 1);
-``pipeline_parallel.PipelineForwardBackward`` is the same call through GPipe or 1F1B (pp > 1).
+:func:`train_step` is the one step loop (``interfaces.py``); :class:`LocalBackend` is this
+engine's own back end. :func:`forward_backward` runs the micro-batches one after the other
+(pp = 1); ``pipeline_parallel.PipelineForwardBackward`` is the same call through GPipe or 1F1B.
 """
 
 from __future__ import annotations
@@ -22,19 +23,24 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from distlab.gpt.gpt_dataset import GPTDataset
 from distlab.gpt.gradients import finalize_gradients
+from distlab.gpt.interfaces import (
+    AutocastFn,
+    BackwardFn,
+    MicroBatch,
+    StepBackend,
+    StepOutcome,
+    StepResult,
+    mean_backward,
+)
 from distlab.gpt.loss_scaler import DynamicLossScaler
 from distlab.gpt.model import GPTModel
 from distlab.gpt.parallel_state import ParallelState
-
-MicroBatch = tuple[torch.Tensor, torch.Tensor]  # tokens (b, T), labels (b, T)
-AutocastFn = Callable[[], contextlib.AbstractContextManager]
 
 
 def micro_batches(
@@ -57,36 +63,24 @@ def micro_batches(
 
 
 def forward_backward(
-    model: GPTModel,
+    model: torch.nn.Module,
     batches: list[MicroBatch],
     *,
-    loss_scale: float = 1.0,
+    backward: BackwardFn = mean_backward,
     autocast: AutocastFn = contextlib.nullcontext,
     forward_only: bool = False,
 ) -> torch.Tensor:
-    """Forward (+ backward unless ``forward_only``) over the step's micro-batches (pp = 1).
-
-    Returns the mean micro-batch loss, a detached fp32 scalar; gradients accumulate in ``.grad``.
-    """
+    """Forward (+ ``backward(loss_k, k, m)`` unless ``forward_only``) over the step's micro-batches
+    (pp = 1). Returns the mean micro-batch loss, a detached fp32 scalar."""
     total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
     m = len(batches)
-    for tokens, labels in batches:
+    for k, (tokens, labels) in enumerate(batches):
         with autocast():
             loss = model(tokens, labels).mean()  # per-token (b, T) -> scalar
         if not forward_only:
-            (loss * (loss_scale / m)).backward()
+            backward(loss, k, m)
         total += loss.detach().float()
     return total / m
-
-
-@dataclass
-class StepResult:
-    """What a step reports: mean loss over the global batch, norm (None if skipped)."""
-
-    loss: float
-    grad_norm: float | None
-    skipped: bool
-    nan: bool
 
 
 def reduce_loss(loss: torch.Tensor, state: ParallelState) -> float:
@@ -99,40 +93,72 @@ def reduce_loss(loss: torch.Tensor, state: ParallelState) -> float:
     return float(loss)
 
 
-def train_step(
-    model: GPTModel,
-    optimizer: torch.optim.Optimizer,
-    batches: list[MicroBatch],
-    *,
-    state: ParallelState,
-    clip_grad: float,
-    scaler: DynamicLossScaler | None,
-    autocast: AutocastFn = contextlib.nullcontext,
-    forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
-) -> StepResult:
-    """Zero grads, forward/backward every micro-batch, finalise the gradients, step.
+class LocalBackend:
+    """This engine's own step: plain backward of ``loss_k x S / m``, then ``gradients.py``'s
+    finalisation (tied embedding, dp all-reduce, fp16 unscale, norm, clip) and the optimizer.
 
     The step is skipped after an fp16 overflow (the scaler backs off) or a non-finite norm.
     """
-    optimizer.zero_grad(set_to_none=True)
-    scale = scaler.scale if scaler is not None else None
-    loss = reduce_loss(forward_backward_fn(model, batches, loss_scale=scale or 1.0, autocast=autocast), state)
-    nan = not math.isfinite(loss)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    grads = finalize_gradients(params, model.tied_embedding(), state, loss_scale=scale, clip_grad=clip_grad)
-    if scaler is not None:
-        scaler.update(grads.overflow)
-    if grads.overflow:
-        return StepResult(loss, None, skipped=True, nan=nan)
-    if not math.isfinite(grads.norm):
-        return StepResult(loss, grads.norm, skipped=scaler is None, nan=True)
-    optimizer.step()
-    return StepResult(loss, grads.norm, skipped=False, nan=nan)
+
+    def __init__(
+        self,
+        model: GPTModel,
+        optimizer: torch.optim.Optimizer,
+        state: ParallelState,
+        *,
+        clip_grad: float,
+        scaler: DynamicLossScaler | None = None,
+    ) -> None:
+        self.module, self.optimizer, self.state = model, optimizer, state
+        self.clip_grad, self.scaler = clip_grad, scaler
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, k: int, m: int) -> None:
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        (loss * (scale / m)).backward()
+
+    def step(self) -> StepOutcome:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        scale = self.scaler.scale if self.scaler is not None else None
+        grads = finalize_gradients(
+            params, self.module.tied_embedding(), self.state, loss_scale=scale, clip_grad=self.clip_grad
+        )
+        if self.scaler is not None:
+            self.scaler.update(grads.overflow)
+        if grads.overflow:
+            return StepOutcome(None, skipped=True)
+        if not math.isfinite(grads.norm):
+            return StepOutcome(grads.norm, skipped=self.scaler is None, nonfinite=True)
+        self.optimizer.step()
+        return StepOutcome(grads.norm, skipped=False)
+
+    def close(self) -> None:
+        pass
+
+
+def train_step(
+    backend: StepBackend,
+    batches: list[MicroBatch],
+    *,
+    state: ParallelState,
+    autocast: AutocastFn = contextlib.nullcontext,
+    forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
+) -> StepResult:
+    """The one step loop: zero grads, forward/backward every micro-batch through the back end's
+    hook, the mean loss over the data-parallel ranks, the back end's optimizer step."""
+    backend.zero_grad()
+    loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
+    loss = reduce_loss(loss, state)
+    outcome = backend.step()
+    nan = not math.isfinite(loss) or outcome.nonfinite
+    return StepResult(loss, outcome.grad_norm, skipped=outcome.skipped, nan=nan)
 
 
 @torch.no_grad()
 def evaluate(
-    model: GPTModel,
+    model: torch.nn.Module,
     dataset: GPTDataset,
     first_sample: int,
     *,

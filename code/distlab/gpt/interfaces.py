@@ -1,0 +1,66 @@
+"""The types every part of a training step shares: micro-batches, hooks, outcomes, back ends.
+
+One step (``training.train_step``) is the same loop for every back end::
+
+    backend.zero_grad()
+    for k in range(m):  loss_k = model(micro-batch k);  backend.backward(loss_k, k, m)
+    loss = mean over micro-batches and data-parallel ranks
+    backend.step()      # gradients reduced, unscaled, clipped; the optimizer steps (or skips)
+
+A :class:`StepBackend` supplies only what differs: what the forward runs on, how backward is
+called (and where gradients start being reduced), how the optimizer steps. This engine's own
+(``training.LocalBackend``) and DeepSpeed's (``deepspeed_engine.DeepSpeedBackend``) are two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # tokens (b, T), labels (b, T)
+AutocastFn = Callable[[], contextlib.AbstractContextManager]
+#: backward(loss_k, k, m): back-propagate micro-batch k's mean loss as its 1/m share of the step.
+BackwardFn = Callable[[torch.Tensor, int, int], None]
+
+
+def mean_backward(loss: torch.Tensor, k: int, m: int) -> None:
+    """The plain hook: ``d(loss_k / m)`` accumulated in ``.grad``."""
+    (loss * (1.0 / m)).backward()
+
+
+@dataclass
+class StepOutcome:
+    """What a back end's optimizer step found: the norm before clipping (None after an fp16
+    overflow), whether the update was skipped, whether a gradient was inf or nan."""
+
+    grad_norm: float | None
+    skipped: bool
+    nonfinite: bool = False
+
+
+@dataclass
+class StepResult:
+    """What a step reports: mean loss over the global batch, norm (None if skipped)."""
+
+    loss: float
+    grad_norm: float | None
+    skipped: bool
+    nan: bool
+
+
+class StepBackend(Protocol):
+    """What differs between ways of taking one optimizer step (see the module docstring)."""
+
+    module: torch.nn.Module  # what the forward is called on
+
+    def zero_grad(self) -> None: ...
+
+    def backward(self, loss: torch.Tensor, k: int, m: int) -> None: ...
+
+    def step(self) -> StepOutcome: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,216 @@
+"""The run's layout, validated once: how the world's ranks factor, and the batch arithmetic.
+
+Ranks are laid out as Megatron-LM does (order ``tp-dp-pp``, the first dimension fastest)::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    world size = tp x dp x pp                      dp is what the other sizes leave
+
+so the ``tp`` ranks of a tensor-parallel group are adjacent and share a node, where their
+all-reduces are cheapest. With world 8, tp 2, pp 2, dp 2::
+
+    tp groups : [0,1] [2,3] [4,5] [6,7]
+    dp groups : [0,2] [1,3] [4,6] [5,7]
+    pp groups : [0,4] [1,5] [2,6] [3,7]
+
+A step consumes one global batch of ``B = b x dp x m`` samples (micro batch ``b``, ``m``
+micro-batches per rank); with a batch-size ramp (``--rampup-batch-size``,
+``--step-batch-size-schedule``) ``B`` grows with the samples consumed and every size it takes
+must obey the same rule. e.g. ``16 = 2 x 4 x 2``.
+
+:class:`Layout` is torch-free and checkable before any process group exists; every consumer
+(process groups, data, schedule, memory estimate, DeepSpeed's config) reads it, none recomputes
+it. A new dimension is one entry of :data:`ORDER` and :data:`SIZE_NAMES` and one size field:
+the world-size rule, coordinates, groups and messages follow from them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+#: Dimensions from the fastest-varying rank coordinate to the slowest (Megatron's tp-dp-pp).
+ORDER = ("tp", "dp", "pp")
+#: How messages name each size, and the flag that sets it (dp has none: it is what remains).
+SIZE_NAMES = {
+    "tp": ("tensor-model-parallel size", "--tensor-model-parallel-size"),
+    "dp": ("data-parallel size", None),
+    "pp": ("pipeline-model-parallel size", "--pipeline-model-parallel-size"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """World size factored over :data:`ORDER`, and the global batch at every point of the run."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    """The final global batch B; None: ``b x dp`` (one micro-batch per step)."""
+    batch_schedule: tuple[tuple[int, int], ...] = field(default=())
+    """``(first sample, global batch)`` steps of a ramp, ending at B; empty: B throughout."""
+
+    def __post_init__(self) -> None:
+        given = {d: getattr(self, d) for d in ORDER if d != "dp"}
+        if self.world_size < 1 or any(size < 1 for size in given.values()):
+            sizes = ", ".join(f"{SIZE_NAMES[d][0]} {s}" for d, s in given.items())
+            raise ValueError(f"parallel sizes must be >= 1: world size {self.world_size}, {sizes}")
+        model_parallel = math.prod(given.values())
+        if self.world_size % model_parallel:
+            product = " x ".join(f"{SIZE_NAMES[d][0]} {s}" for d, s in given.items())
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by {product} = {model_parallel}: "
+                f"launch a multiple of {model_parallel} processes or change the sizes"
+            )
+        if self.global_batch_size is None:
+            object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.dp)
+        self._check_batch()
+
+    # --- ranks ---------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.world_size // math.prod(getattr(self, d) for d in ORDER if d != "dp")
+
+    def size(self, dim: str) -> int:
+        return self.dp if dim == "dp" else getattr(self, dim)
+
+    def _stride(self, dim: str) -> int:
+        return math.prod(self.size(d) for d in ORDER[: ORDER.index(dim)])
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """A global rank's coordinates, in :data:`ORDER` (``(tp_rank, dp_rank, pp_rank)``)."""
+        return tuple((rank // self._stride(d)) % self.size(d) for d in ORDER)
+
+    def coord(self, rank: int, dim: str) -> int:
+        return self.coords(rank)[ORDER.index(dim)]
+
+    def rank_of(self, *coords: int) -> int:
+        """The global rank at ``coords`` (in :data:`ORDER`)."""
+        return sum(c * self._stride(d) for c, d in zip(coords, ORDER, strict=True))
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of ``dim``: the ranks that differ only in that coordinate."""
+        others = [d for d in reversed(ORDER) if d != dim]  # slowest first
+        out = []
+        for fixed in itertools.product(*(range(self.size(d)) for d in others)):
+            at = dict(zip(others, fixed, strict=True))
+            out.append([self.rank_of(*(at.get(d, i) for d in ORDER)) for i in range(self.size(dim))])
+        return out
+
+    def validate_model(self, *, num_layers: int, num_attention_heads: int, hidden_size: int) -> None:
+        """Heads and hidden size must split over ``tp``, layers over ``pp``."""
+        errors = []
+        if num_attention_heads % self.tp:
+            errors.append(
+                f"--num-attention-heads {num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {self.tp}"
+            )
+        if hidden_size % self.tp:
+            errors.append(
+                f"--hidden-size {hidden_size} is not divisible by --tensor-model-parallel-size {self.tp}"
+            )
+        if num_layers % self.pp:
+            errors.append(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {self.pp}"
+            )
+        if errors:
+            raise ValueError("; ".join(errors) + ": change the model size or the parallel layout")
+
+    # --- batches -------------------------------------------------------------------------
+    @property
+    def num_micro_batches(self) -> int:
+        """m at the final global batch size."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts after ``consumed_samples`` samples."""
+        size = self.global_batch_size
+        for first, batch in self.batch_schedule:
+            if consumed_samples >= first:
+                size = batch
+        return size
+
+    def micro_batches_at(self, consumed_samples: int) -> int:
+        return self.global_batch_at(consumed_samples) // (self.micro_batch_size * self.dp)
+
+    def _check_batch(self) -> None:
+        b, gbs = self.micro_batch_size, self.global_batch_size
+        if b < 1 or gbs < 1:
+            raise ValueError(f"--micro-batch-size {b} and --global-batch-size {gbs} must both be >= 1")
+        per_step = b * self.dp
+        if gbs % per_step:
+            raise ValueError(
+                f"--global-batch-size {gbs} is not divisible by --micro-batch-size {b} x "
+                f"data-parallel size {self.dp} = {per_step}: use a multiple of {per_step}"
+            )
+        if not self.batch_schedule:
+            return
+        if self.batch_schedule[0][0] != 0 or self.batch_schedule[-1][1] != gbs:
+            raise ValueError(
+                f"the batch-size schedule {list(self.batch_schedule)} must start at sample 0 and end at "
+                f"--global-batch-size {gbs}"
+            )
+        bad = [(first, size) for first, size in self.batch_schedule if size < 1 or size % per_step]
+        if bad:
+            raise ValueError(
+                f"the batch-size ramp reaches global batch sizes {[s for _, s in bad]} (from samples "
+                f"{[f for f, _ in bad]}) that are not multiples of --micro-batch-size {b} x data-parallel "
+                f"size {self.dp} = {per_step}: every size of the ramp must be (choose a start and an "
+                f"increment that are multiples of {per_step})"
+            )
+
+
+def rampup_schedule(start: int, increment: int, ramp_samples: int, global_batch_size: int) -> tuple:
+    """``--rampup-batch-size start increment samples`` as ``(first sample, batch)`` steps.
+
+    Megatron's ramp: the batch starts at ``start`` and grows by ``increment`` over
+    ``n = (B - start) / increment`` equal intervals of ``samples / n`` samples, reaching ``B``
+    when ``samples`` have been consumed. Step ``i`` begins at sample ``ceil(i samples / n)``.
+    """
+    flag = f"--rampup-batch-size {start} {increment} {ramp_samples}"
+    if start < 1 or increment < 1 or ramp_samples < 0:
+        raise ValueError(f"{flag}: start and increment must be >= 1 and samples >= 0")
+    diff = global_batch_size - start
+    if diff < 0 or diff % increment:
+        raise ValueError(
+            f"{flag}: --global-batch-size {global_batch_size} minus the start {start} = {diff} must be "
+            f">= 0 and a multiple of the increment {increment}"
+        )
+    n = diff // increment
+    if n == 0:
+        return ((0, global_batch_size),)
+    return tuple((-(-i * ramp_samples // n), start + i * increment) for i in range(n + 1))
+
+
+def parse_step_schedule(text: str, seq_length: int) -> tuple:
+    """``--step-batch-size-schedule "0:16 2.4B:320 ..."``: thresholds in tokens (K, M, B, T
+    suffixes), as Megatron reads them, converted to samples of ``seq_length`` tokens."""
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+    def number(part: str) -> int:
+        part = part.strip().upper()
+        mult = scale.get(part[-1:], 1)
+        return int(float(part[:-1] if mult > 1 else part) * mult)
+
+    steps = []
+    for entry in text.replace(",", " ").split():
+        threshold, sep, batch = entry.partition(":")
+        try:
+            steps.append((number(threshold) // seq_length, number(batch)))
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(
+                f'--step-batch-size-schedule "{text}": entry "{entry}" is not THRESHOLD:BATCH_SIZE '
+                f'(tokens, e.g. "0:16 2.4B:320")'
+            ) from None
+    steps.sort()
+    firsts = [first for first, _ in steps]
+    if not steps or firsts[0] != 0 or len(set(firsts)) != len(firsts):
+        raise ValueError(
+            f'--step-batch-size-schedule "{text}": thresholds must start at 0 and differ by at least '
+            f"one sample ({seq_length} tokens)"
+        )
+    return tuple(steps)
