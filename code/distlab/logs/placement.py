@@ -3,14 +3,14 @@
 Hosts come from the job itself: ``srun --label hostname`` with one task per rank prints
 ``<task>: <host>`` and Slurm's task id is the rank the one-task-per-rank launch uses
 (``SLURM_PROCID``). Coordinates come from the run's memory report (``[rank r tp t pp p dp d]``);
-the groups are those of the engine's own layout (``ParallelDims``, Megatron's tp-dp-pp order).
+the groups are those of the engine's own layout (``Layout``, Megatron's tp-dp-pp order).
 """
 
 from __future__ import annotations
 
 import re
 
-from distlab.gpt.parallel_state import ParallelDims
+from distlab.gpt.layout import Layout
 from distlab.logs.megatron import memory_rows, parse_banner, split_runs
 
 LABELLED_HOST_RE = re.compile(r"^\s*(\d+): (\S+)\s*$")
@@ -25,10 +25,10 @@ def placement_rows(text: str) -> list[dict]:
     """One row per rank: host, (tp, pp, dp) coordinates, and its three groups (first run of the log)."""
     first = next(iter(split_runs(text)), text)
     banner, hosts = parse_banner(first), rank_hosts(text)
-    dims = ParallelDims(banner.world_size, banner.tp, banner.pp)
+    layout = Layout(banner.world_size, banner.tp, banner.pp)
     group_of = {
         kind: {r: g for g in groups for r in g}
-        for kind, groups in (("tp", dims.tp_groups()), ("pp", dims.pp_groups()), ("dp", dims.dp_groups()))
+        for kind, groups in ((k, layout.groups(k)) for k in ("tp", "pp", "dp"))
     }
     rows = []
     for m in memory_rows(first):
