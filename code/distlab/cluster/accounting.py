@@ -10,7 +10,13 @@ reads it back. Both servers belong to this cluster alone::
     log/mariadb.log, log/slurmdbd.log
 
 root logs into MariaDB through the socket (unix_socket authentication, no password); slurmdbd
-logs in over TCP on 127.0.0.1 with the generated password. Nothing listens beyond loopback.
+logs in over TCP on 127.0.0.1 with the generated password. Nothing listens beyond loopback, and
+other local users can neither read the password nor reach the socket (``mysql/`` is 0700).
+
+Each learner is a Slurm user with an association to the account ``learners`` (:func:`add_user`),
+so that ``sacct``, ``sacctmgr show assoc`` and ``sshare`` list their jobs under their own name and
+account, as on a real cluster. Submitting needs no association (``AccountingStorageEnforce`` is
+unset): any local user may submit, with an empty account until registered.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from distlab.cluster.process import ClusterError, alive, env, log_tail, port_bus
 
 DATABASE = "slurm_acct_db"
 CLUSTER_NAME = "lab"
+LEARNERS_ACCOUNT = "learners"
 
 
 def _db_dir(p: ClusterPaths) -> Path:
@@ -135,6 +142,32 @@ def start(p: ClusterPaths) -> None:
     wait_for("slurmdbd", lambda: alive(dbd_pid(p), "slurmdbd") and port_busy(p.dbd_port), 60, log)
     if not _cluster_registered(p):
         run(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], p)
+
+
+def running(p: ClusterPaths) -> bool:
+    return bool(alive(dbd_pid(p), "slurmdbd"))
+
+
+def add_user(p: ClusterPaths, user: str, account: str = LEARNERS_ACCOUNT) -> bool:
+    """Associate ``user`` with ``account`` in Slurm's accounting (both made if missing).
+
+    Returns whether anything was added; a second call changes nothing."""
+    added = False
+    if not run(["sacctmgr", "-n", "-P", "show", "account", account, "format=account"], p).split():
+        desc = ["Description=learners of the lab", "Organization=lab"]
+        run(["sacctmgr", "-i", "add", "account", account, f"Cluster={CLUSTER_NAME}", *desc], p)
+        added = True
+    where = ["where", f"user={user}", f"account={account}"]
+    if not run(["sacctmgr", "-n", "-P", "show", "assoc", *where, "format=user"], p).split():
+        run(["sacctmgr", "-i", "add", "user", user, f"Account={account}", f"DefaultAccount={account}"], p)
+        added = True
+    return added
+
+
+def remove_user(p: ClusterPaths, user: str) -> None:
+    """Delete ``user`` and its associations from Slurm's accounting (its past jobs stay)."""
+    if run(["sacctmgr", "-n", "-P", "show", "user", user, "format=user"], p).split():
+        run(["sacctmgr", "-i", "delete", "user", "where", f"name={user}"], p)
 
 
 def stop(p: ClusterPaths) -> None:

@@ -3,10 +3,18 @@
 Everything lives under one gitignored folder, ``.lab/cluster/`` at the repository root::
 
     slurm.conf  gres.conf  cgroup.conf  slurmdbd.conf   configuration (written on every start)
-    munge/      key, socket, pid, log of the private munged
+    munge/      key, socket, pid of the private munged
     mysql/      the accounting database (MariaDB data, socket, pid; see accounting.py)
     ctld/       slurmctld state        spool/nodeN/  slurmd spools
     log/        daemon logs            dev/gpu0,1    the GPU "devices" (see below)
+
+The daemons run as root, as an administrator starts them; any local user may submit jobs, which
+run as that user. So the folder is open to all (0755), the Slurm configuration files are readable
+(0644) and the munge socket is usable by all (0777, in ``munge/``, mode 0711: it can be passed
+through but not listed). What would let a user forge credentials or read others' work stays root's:
+the munge key (0600), ``slurmdbd.conf`` with the database password (0600), ``mysql/`` (0700), the
+controller's copies of every job's script and environment in ``ctld/`` (0700), and the daemons'
+logs (0600, written so by Slurm). ``daemons._prepare_files`` sets these modes on every start.
 
 Each node advertises the shape of a GPU cluster's node (64 CPUs, ``Gres=gpu:2``) so that sbatch
 scripts written for real clusters run unchanged; ``SlurmdParameters=config_overrides`` lets these
@@ -18,6 +26,7 @@ them, and nothing can be computed on them. Jobs run on the CPU with gloo.
 from __future__ import annotations
 
 import os
+import pwd
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,10 +115,10 @@ def local_paths() -> ClusterPaths:
 
 
 def slurm_conf(p: ClusterPaths, cgroups: bool) -> str:
-    """slurm.conf of the two-node cluster; every daemon runs as the current user (root).
+    """slurm.conf of the two-node cluster; every daemon runs as root, each job as its submitter.
 
     ``cgroups``: whether memory limits are enforced by cgroups (see ``memory_limits``)."""
-    user = os.environ.get("USER") or "root"
+    user = pwd.getpwuid(os.geteuid()).pw_name  # root; not $USER, which `sudo -E` keeps as the caller
     nodes = "\n".join(
         f"NodeName={name} NodeAddr={addr} NodeHostname={name} Port={p.slurmd_port(i)} "
         f"CPUs={CPUS_PER_NODE} Boards=1 SocketsPerBoard=2 CoresPerSocket={CPUS_PER_NODE // 2} "

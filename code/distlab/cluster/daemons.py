@@ -63,24 +63,43 @@ def _ensure_hosts() -> None:
         hosts.write_text(text.rstrip("\n") + "\n" + "\n".join(missing) + "\n")
 
 
+#: Mode of each folder: open where every user's commands must reach, root's alone where secrets
+#: or other users' job scripts lie (the permission model: config.py's docstring).
+FOLDER_MODES = {".": 0o755, "munge": 0o711, "log": 0o755, "ctld": 0o700, "dev": 0o755, "spool": 0o755}
+
+
 def _prepare_files(p: ClusterPaths) -> None:
     for d in (p.root, p.munge_dir, p.log_dir, p.root / "ctld", p.root / "dev"):
         d.mkdir(parents=True, exist_ok=True)
     for name, _ in NODES:
         (p.root / "spool" / name).mkdir(parents=True, exist_ok=True)
-    p.munge_dir.chmod(0o700)
+    for folder, mode in FOLDER_MODES.items():  # also repairs a cluster made before these modes
+        (p.root / folder).chmod(mode)
     if not p.munge_key.exists():  # generated on first start, never committed
         subprocess.run(["mungekey", "--create", f"--keyfile={p.munge_key}"], check=True)
-    p.munge_key.chmod(0o400)
+    p.munge_key.chmod(0o600)
     for i in range(2):
         dev = p.root / "dev" / f"gpu{i}"
         if not dev.exists():
             os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # same numbers as /dev/null
-    p.conf.write_text(slurm_conf(p, cgroups.available()))
-    p.gres_conf.write_text(gres_conf(p))
-    p.cgroup_conf.write_text(cgroup_conf())
+        dev.chmod(0o666)
+    for path, text in (
+        (p.conf, slurm_conf(p, cgroups.available())),
+        (p.gres_conf, gres_conf(p)),
+        (p.cgroup_conf, cgroup_conf()),
+    ):
+        path.write_text(text)
+        path.chmod(0o644)  # every user's sbatch reads them, whatever root's umask
     if p == local_paths() and "LAB_CLUSTER_DIR" not in os.environ:
         system_conf.link(p)
+
+
+def closed_folder(path: Path) -> Path | None:
+    """The first folder on the way to ``path`` that other users cannot pass through, if any."""
+    for folder in [*reversed(path.parents), path]:
+        if folder.exists() and not folder.stat().st_mode & stat.S_IXOTH:
+            return folder
+    return None
 
 
 def _start_munged(p: ClusterPaths) -> None:
@@ -182,7 +201,7 @@ def stop(p: ClusterPaths | None = None) -> str:
 def status(p: ClusterPaths | None = None) -> str:
     """One line per daemon, then ``sinfo`` and ``squeue`` if the controller answers."""
     p = p or local_paths()
-    lines = [f"config: {p.conf}", system_conf.describe(p)]
+    lines = [f"config: {p.conf}", system_conf.describe(p), _users_line(p)]
     daemons = [
         ("munged", "munged", p.munge_pid),
         *accounting.daemons(p),
@@ -195,6 +214,14 @@ def status(p: ClusterPaths | None = None) -> str:
     if alive(p.ctld_pid, "slurmctld"):
         lines += [run(["sinfo"], p, check=False).rstrip(), run(["squeue"], p, check=False).rstrip()]
     return "\n".join(lines)
+
+
+def _users_line(p: ClusterPaths) -> str:
+    closed = closed_folder(p.root)
+    if closed is None:
+        return "ordinary users: may submit jobs (slurm.conf and the munge socket are open to all)"
+    mode = stat.S_IMODE(closed.stat().st_mode)
+    return f"ordinary users: only root may submit jobs: {closed} (mode {mode:o}) is closed to others"
 
 
 def is_up(p: ClusterPaths | None = None) -> bool:
