@@ -36,6 +36,6 @@ Beside them: arguments (Megatron's command line), tokenizer, indexed_dataset and
 loss_scaler (fp16), checkpointing, log and flops (Megatron's log line, TensorBoard, the
 profiler; MFU; every printed line defined in ``distlab.logs.formats``), memory (measured) and
 memory_estimate (predicted), deepspeed_config (DeepSpeed's JSON, checked) and deepspeed_engine
-(its back end), pipeline_timeline and pipeline_plot (recorded F/B spans and their Gantt chart),
+(its back end), fsdp2 (PyTorch's fully_shard as a back end: --use-torch-fsdp2), pipeline_timeline and pipeline_plot (recorded F/B spans and their Gantt chart),
 local_run (spawned runs for tests and notebooks).
 """

@@ -134,6 +134,25 @@ class PretrainArgs:
         None, "DeepSpeed JSON config; its missing batch keys come from the run", flag="--deepspeed_config"
     )
     zero_stage: int = _f(None, "ZeRO stage 0-3, overriding the config's zero_optimization.stage")
+    # --- PyTorch FSDP2 (Megatron-LM's --use-torch-fsdp2) ---
+    use_torch_fsdp2: bool = _f(
+        False,
+        "shard parameters, gradients and optimizer state over the data-parallel ranks with PyTorch's "
+        "fully_shard (FSDP2: ZeRO-3 with DTensor shards), each block then the root; data parallelism "
+        "only, fp32 or --bf16",
+    )
+    torch_fsdp2_reshard_after_forward: bool = _f(
+        True,
+        "FSDP2's reshard_after_forward: free each block's gathered parameters after its forward and "
+        "all-gather them again for its backward (True), or keep them until the backward (False: one "
+        "all-gather instead of two); Megatron's --torch-fsdp2-no-reshard-after-forward sets False",
+        tf=True,
+    )
+    torch_fsdp2_cpu_offload: bool = _f(
+        False,
+        "FSDP2's CPUOffloadPolicy: parameter shards, their gradients and the optimizer state on the CPU, "
+        "where the optimizer steps; each all-gather copies a block's shards to the device",
+    )
     # --- parallelism ---
     tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages")
@@ -190,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
             meta.setdefault("type", kind)
             parser.add_argument(flag, default=f.default, help=help_, **meta)
     parser.add_argument("--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)
+    parser.add_argument(  # Megatron-LM's switch for the same field
+        "--torch-fsdp2-no-reshard-after-forward", action="store_false", dest="torch_fsdp2_reshard_after_forward",
+        help="the same as --torch-fsdp2-reshard-after-forward False",
+    )  # fmt: skip
     return parser
 
 
@@ -235,6 +258,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_file_errors(args),
         *_profile_errors(args, world_size),
         *_deepspeed_errors(args, layout),
+        *_torch_fsdp2_errors(args, layout),
         *_recompute_errors(args, layout),
     ]
     if errors:
@@ -386,6 +410,42 @@ def _deepspeed_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         deepspeed_config.run_config(args, layout)
     except ValueError as exc:
         errors.append(str(exc))
+    return errors
+
+
+def _torch_fsdp2_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """--use-torch-fsdp2: data parallelism only (a 1-D mesh), fp32 or bf16, without --deepspeed,
+    and no checkpoints yet (its shards need torch.distributed.checkpoint)."""
+    if not args.use_torch_fsdp2:
+        given = ["--torch-fsdp2-cpu-offload"] if args.torch_fsdp2_cpu_offload else []
+        if not args.torch_fsdp2_reshard_after_forward:
+            given.append("--torch-fsdp2-reshard-after-forward False")
+        return [f"{flag} was given without --use-torch-fsdp2" for flag in given]
+    errors = []
+    if layout.tp > 1 or layout.pp > 1:
+        errors.append(
+            f"--use-torch-fsdp2 shards over the data-parallel ranks only (a 1-D DeviceMesh): got "
+            f"--tensor-model-parallel-size {layout.tp} and --pipeline-model-parallel-size {layout.pp}; "
+            f"set both to 1"
+        )
+    if args.deepspeed:
+        errors.append(
+            "--use-torch-fsdp2 and --deepspeed were both given: each shards the model over the "
+            "data-parallel ranks (FSDP2, ZeRO): choose one"
+        )
+    if args.fp16:
+        errors.append(
+            "--use-torch-fsdp2 with --fp16: fp16 needs a loss scaler that unscales and checks the sharded "
+            "gradients, which this back end does not have (Megatron-LM refuses it too): use --bf16 "
+            "(MixedPrecisionPolicy: bf16 parameters, fp32 reduction)"
+        )
+    if args.save or args.load:
+        given = " and ".join(f"--{n} {getattr(args, n)}" for n in ("save", "load") if getattr(args, n))
+        errors.append(
+            f"--use-torch-fsdp2 with {given}: each rank holds DTensor shards of the parameters and "
+            f"optimizer state, and this course's checkpoints are one full copy written by data-parallel "
+            f"rank 0; sharded checkpoints (torch.distributed.checkpoint) come later: drop --save/--load"
+        )
     return errors
 
 

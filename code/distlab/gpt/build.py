@@ -2,28 +2,33 @@
 
     build_run(args, layout, ctx)   process groups of the validated layout and the banner,
                                    tokenizer and padded vocabulary, datasets, memory cap and
-                                   meter, model, optimizer, precision and loss scaler, LR
+                                   meter, model (FSDP2: fully_shard, before the optimizer is
+                                   built on its shards), optimizer, precision and loss scaler, LR
                                    schedule, forward/backward, the step back end, --load
 
 Start-up lines follow Megatron's, printed by rank 0 (the parameter count by every
 data-parallel rank 0: one line per model shard). :meth:`Run.step` is the one function that
 turns a global batch into a ``StepResult``: ``training.train_step`` through the run's back end,
-this engine's own (``training.LocalBackend``) or, with ``--deepspeed``, DeepSpeed's engine
+this engine's own (``training.LocalBackend``), with ``--deepspeed`` DeepSpeed's engine
 (``deepspeed_engine.DeepSpeedBackend``: ZeRO shards the gradients and wraps the run's own
-optimizer, whose learning rate the schedule still sets).
+optimizer, whose learning rate the schedule still sets) or, with ``--use-torch-fsdp2``,
+PyTorch's FSDP2 (``fsdp2.FSDP2Backend``: ``fully_shard`` turns the parameters into DTensor shards
+before the run's own optimizer is built on them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, print_on
-from distlab.gpt import checkpointing, deepspeed_config, deepspeed_engine, log
+from distlab.gpt import checkpointing, deepspeed_config, deepspeed_engine, fsdp2, log
 from distlab.gpt.arguments import PretrainArgs, parse_split
 from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
@@ -64,7 +69,7 @@ class Run:
     tlog: log.TrainingLog
     tensorboard: log.TensorBoardLog
     peak_meter: PeakMeter  # started just before the model was built
-    backend: StepBackend  # LocalBackend, or DeepSpeed's engine with --deepspeed
+    backend: StepBackend  # LocalBackend, DeepSpeed's engine (--deepspeed) or FSDP2Backend
     deepspeed_config: dict | None = None
     iteration: int = 0
     consumed: int = 0  # samples
@@ -80,6 +85,8 @@ class Run:
         return self.state.rank == self.ctx.world_size - 1
 
     def autocast(self):
+        if self.args.use_torch_fsdp2:  # FSDP2's MixedPrecisionPolicy casts the parameters instead
+            return contextlib.nullcontext()
         return self.precision.autocast(self.ctx.device)
 
     def step(self, batches: list[MicroBatch]) -> StepResult:
@@ -113,7 +120,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         rank0,
         state.banner(),
         f"> launcher: {ctx.env.launcher}, backend: {ctx.backend}, {threads}",
-        precision.describe(device),
+        fsdp2.precision_line(precision, device) if args.use_torch_fsdp2 else precision.describe(device),
         BATCH.format(
             global_batch=layout.global_batch_size,
             micro_batch=layout.micro_batch_size,
@@ -135,7 +142,8 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         _warm_up_kernels(args, precision)
     peak_meter = PeakMeter(device).start()
     model = _build_model(args, state, vocab, device)
-    optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()
+    mesh = fully_shard_model(args, layout, model, device) if args.use_torch_fsdp2 else None
+    optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()  # on the shards with FSDP2
     timeline = None
     if args.pipeline_timeline:
         timeline = PipelineTimeline(state.pp_rank, state.pp, device, group=state.pp_group)
@@ -156,7 +164,9 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         tlog=log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device),
         tensorboard=log.TensorBoardLog(args, enabled=state.rank == ctx.world_size - 1),
         peak_meter=peak_meter,
-        backend=LocalBackend(model, optimizer, state, clip_grad=args.clip_grad, scaler=scaler),
+        backend=LocalBackend(model, optimizer, state, clip_grad=args.clip_grad, scaler=scaler)
+        if mesh is None
+        else fsdp2.FSDP2Backend(model, optimizer, mesh, clip_grad=args.clip_grad),
     )
     if args.deepspeed:
         use_deepspeed(run)
@@ -179,6 +189,17 @@ def use_deepspeed(run: Run) -> None:
     print_on(run.rank0, deepspeed_config.describe(config))
     engine = deepspeed_engine.initialize(run.model, run.optimizer, config)
     run.deepspeed_config, run.backend = config, deepspeed_engine.DeepSpeedBackend(engine)
+
+
+def fully_shard_model(
+    args: PretrainArgs, layout: Layout, model: GPTModel, device: torch.device
+) -> DeviceMesh:
+    """``--use-torch-fsdp2``: ``fully_shard`` every block and the root over the dp mesh; the mesh."""
+    config = fsdp2.FSDP2Config.from_args(args)
+    mesh = fsdp2.build_mesh(layout, device)
+    fsdp2.shard_model(model, mesh, config, device)
+    print_on(mesh.get_rank() == 0, config.describe(mesh, len(model.layers)))
+    return mesh
 
 
 def _warm_up_kernels(args: PretrainArgs, precision: Precision) -> None:

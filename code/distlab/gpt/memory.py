@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distlab.logs.formats import MEMORY, RANK_COORDS
 
@@ -41,8 +42,13 @@ MiB = 2**20
 GiB = 2**30
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds: a DTensor's local shard (FSDP2; its ``numel()`` is the global size)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
@@ -61,7 +67,9 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
 
 
 def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device) -> dict:
-    """This rank's numbers, in bytes (under ZeRO-3: its shard of each parameter, ``ds_tensor``)."""
+    """This rank's numbers, in bytes (under ZeRO-3 its shard of each parameter, ``ds_tensor``; under
+    FSDP2 the local shards of the DTensor parameters, gradients and Adam states). The count of
+    values is the whole model's in both (``ds_numel``, a DTensor's ``numel()``)."""
     params = list(model.parameters())
     peak, how = peak_memory_bytes(device)
     return {

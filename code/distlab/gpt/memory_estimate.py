@@ -112,7 +112,12 @@ class MemorySetup:
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3 (0: plain data parallelism, DDP)."""
     offload: bool = False
-    """DeepSpeed offload of the optimizer state (stage 3: and parameters) to the CPU."""
+    """DeepSpeed offload of the optimizer state (stage 3: and parameters) to the CPU; with
+    ``fsdp2``, FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state)."""
+    fsdp2: bool = False
+    """PyTorch FSDP2 (``--use-torch-fsdp2``): fp32 states sharded over dp as ZeRO-3, plus the
+    parameters gathered for compute (``gathered_bytes``)."""
+    fsdp2_reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", *_HALF):
@@ -162,7 +167,10 @@ class MemorySetup:
             dp=layout.dp,
             pipeline_schedule=args.pipeline_schedule,
             zero_stage=zero.get("stage", 0),
-            offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu",
+            offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
+            or (args.use_torch_fsdp2 and args.torch_fsdp2_cpu_offload),
+            fsdp2=args.use_torch_fsdp2,
+            fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
         )
 
 
@@ -254,6 +262,7 @@ class MemoryEstimate:
     gradients: float
     optimizer_state: float
     half_weight_copies: float
+    """Weights alive only for compute: autocast's half copies, or FSDP2's gathered parameters."""
     activations: float
 
     def peak(self, first_iteration: bool = False, accumulating: bool = False) -> float:
@@ -272,9 +281,24 @@ def _zero_shards(c: MemorySetup, stage: int) -> int:
     return c.dp if c.zero_stage >= stage else 1
 
 
+def fsdp2_gathered_bytes(c: MemorySetup) -> float:
+    """FSDP2's unsharded parameters during compute, in the parameters' dtype (bf16 with --bf16):
+    the root (embeddings, final LayerNorm: never resharded) and one block, or with
+    ``reshard_after_forward`` False every block (gathered once, kept to backward)."""
+    h = c.hidden_size
+    block = 12 * h * h + 13 * h
+    root = stage_parameters(c) - c.num_layers * block
+    blocks = c.num_layers if not c.fsdp2_reshard_after_forward else 1
+    return (root + blocks * block) * (2 if c.precision in _HALF else 4)
+
+
 def estimate(c: MemorySetup) -> MemoryEstimate:
     """Model states (per precision mode, ZeRO stage, offload) and activations of one rank."""
     n = stage_parameters(c)
+    if c.fsdp2:  # fp32 states sharded over dp; bf16 compute through MixedPrecisionPolicy, no autocast
+        shards = 0.0 if c.offload else n * 16 / c.dp  # parameters 4 + gradients 4 + Adam 8, / dp
+        return MemoryEstimate(shards * 4 / 16, shards * 4 / 16, shards * 8 / 16, fsdp2_gathered_bytes(c),
+                              activation_bytes(c))  # fmt: skip
     deepspeed_mixed = c.zero_stage > 0 and c.precision in _HALF
     p_bytes, g_bytes, k = (2, 2, 12) if deepspeed_mixed else (4, 4, 8)
     params = n * p_bytes / _zero_shards(c, 3)
