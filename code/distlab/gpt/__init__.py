@@ -32,10 +32,12 @@ Reading order, one idea per file:
     pretrain            the training loop of pretrain_gpt.py
 
 Beside them: arguments (Megatron's command line), tokenizer, indexed_dataset and gpt_dataset
-(data), optimizer (AdamW, LR schedule), precision (fp32/fp16/bf16, decided once) and
-loss_scaler (fp16), checkpointing, log and flops (Megatron's log line, TensorBoard, the
+(data), optimizer (AdamW, LR schedule), precision (fp32/fp16/bf16, decided once) and loss_scaler
+(fp16), checkpointing (Megatron's legacy layout) and dist_checkpointing (--ckpt-format
+torch_dist: DCP, sharded, --async-save), log and flops (Megatron's log line, TensorBoard, the
 profiler; MFU; every printed line defined in ``distlab.logs.formats``), memory (measured) and
 memory_estimate (predicted), deepspeed_config (DeepSpeed's JSON, checked) and deepspeed_engine
-(its back end), fsdp2 (PyTorch's fully_shard as a back end: --use-torch-fsdp2), pipeline_timeline and pipeline_plot (recorded F/B spans and their Gantt chart),
-local_run (spawned runs for tests and notebooks).
+(its back end), fsdp2 (PyTorch's fully_shard as a back end: --use-torch-fsdp2),
+pipeline_timeline and pipeline_plot (recorded F/B spans and their Gantt chart), local_run
+(spawned runs for tests and notebooks).
 """

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from distlab.distributed import pick_backend
 from distlab.gpt import deepspeed_config
+from distlab.gpt.fault_handling import SIGNALS
 from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
 from distlab.gpt.recompute import granularity_of, recompute_errors
 
@@ -98,6 +99,17 @@ class PretrainArgs:
     )
     train_iters: int = _f(None, "optimizer steps to train for (required)")
     exit_duration_in_mins: float = _f(None, "save and stop after this many minutes")
+    exit_signal_handler: bool = _f(
+        False,
+        "on --exit-signal, every rank finishes its iteration, agrees (MAX all-reduce), saves a checkpoint "
+        "(with --save) and exits 0",
+    )
+    exit_signal: str = _f(
+        "SIGTERM",
+        "the signal --exit-signal-handler catches: SIGTERM is what Slurm sends at the time limit (then "
+        "SIGKILL KillWait s later); #SBATCH --signal=USR1@N sends SIGUSR1 N s before it",
+        choices=list(SIGNALS),
+    )
     seed: int = _f(1234, "seed of initialisation, data shuffling and dropout")
     # --- optimizer ---
     optimizer: str = _f(
@@ -173,6 +185,18 @@ class PretrainArgs:
     save: str = _f(None, "checkpoint directory to write")
     load: str = _f(None, "checkpoint directory to resume from")
     save_interval: int = _f(None, "iterations between checkpoints (and one at the end)")
+    ckpt_format: str = _f(
+        "torch",
+        "torch: one file per tensor/pipeline rank, written by data-parallel rank 0 (Megatron's legacy "
+        "format); torch_dist: torch.distributed.checkpoint, every rank writes its shards, loadable by "
+        "another number of data-parallel ranks, with or without FSDP2 (Megatron-LM's default)",
+        choices=["torch", "torch_dist"],
+    )
+    async_save: bool = _f(
+        False,
+        "with --ckpt-format torch_dist: copy the state to CPU memory, then write it in a thread while "
+        "training goes on (dcp.async_save); the next save and the end of training wait for it",
+    )
     profile_execution: bool = _f(
         False, "torch.profiler trace of --profile-step-start+1..end (True|False)", tf=True
     )
@@ -259,6 +283,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_profile_errors(args, world_size),
         *_deepspeed_errors(args, layout),
         *_torch_fsdp2_errors(args, layout),
+        *_ckpt_format_errors(args, layout),
         *_recompute_errors(args, layout),
     ]
     if errors:
@@ -341,8 +366,13 @@ def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
 
 
 def _file_errors(args: PretrainArgs) -> list[str]:
-    """The dataset, the tokenizer files and the checkpoint folders."""
+    """The dataset, the tokenizer files, the checkpoint folders and the exit signal that saves."""
     errors = []
+    if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:
+        errors.append(
+            f"--exit-signal {args.exit_signal} was given without --exit-signal-handler: the signal would "
+            f"end the run by its default action instead of a checkpoint and a clean exit"
+        )
     if args.save_interval is not None and args.save is None:
         errors.append(f"--save-interval {args.save_interval} was given without --save DIR")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
@@ -415,7 +445,7 @@ def _deepspeed_errors(args: PretrainArgs, layout: Layout) -> list[str]:
 
 def _torch_fsdp2_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     """--use-torch-fsdp2: data parallelism only (a 1-D mesh), fp32 or bf16, without --deepspeed,
-    and no checkpoints yet (its shards need torch.distributed.checkpoint)."""
+    and checkpoints only as --ckpt-format torch_dist (its shards need torch.distributed.checkpoint)."""
     if not args.use_torch_fsdp2:
         given = ["--torch-fsdp2-cpu-offload"] if args.torch_fsdp2_cpu_offload else []
         if not args.torch_fsdp2_reshard_after_forward:
@@ -439,12 +469,32 @@ def _torch_fsdp2_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             "gradients, which this back end does not have (Megatron-LM refuses it too): use --bf16 "
             "(MixedPrecisionPolicy: bf16 parameters, fp32 reduction)"
         )
-    if args.save or args.load:
+    if (args.save or args.load) and args.ckpt_format == "torch":
         given = " and ".join(f"--{n} {getattr(args, n)}" for n in ("save", "load") if getattr(args, n))
         errors.append(
             f"--use-torch-fsdp2 with {given}: each rank holds DTensor shards of the parameters and "
-            f"optimizer state, and this course's checkpoints are one full copy written by data-parallel "
-            f"rank 0; sharded checkpoints (torch.distributed.checkpoint) come later: drop --save/--load"
+            f"optimizer state, and --ckpt-format torch is one full copy written by data-parallel rank 0: "
+            f"add --ckpt-format torch_dist (torch.distributed.checkpoint: every rank writes its shards)"
+        )
+    return errors
+
+
+def _ckpt_format_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """--async-save needs --ckpt-format torch_dist (as Megatron-LM); torch_dist has no tensor parallelism."""
+    errors = []
+    if args.async_save and args.ckpt_format != "torch_dist":
+        errors.append(
+            f"--async-save with --ckpt-format {args.ckpt_format}: an asynchronous save stages the state "
+            f"for torch.distributed.checkpoint's writer (Megatron-LM refuses it for the legacy format "
+            f"too): add --ckpt-format torch_dist"
+        )
+    if args.async_save and args.save is None:
+        errors.append("--async-save was given without --save DIR")
+    if args.ckpt_format == "torch_dist" and layout.tp > 1 and (args.save or args.load):
+        errors.append(
+            f"--ckpt-format torch_dist with --tensor-model-parallel-size {layout.tp}: this engine's "
+            f"tensor-parallel shards are plain tensors of the same name on every tp rank, which "
+            f"torch.distributed.checkpoint would take for copies of one tensor: use --ckpt-format torch"
         )
     return errors
 

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, print_on
-from distlab.gpt import checkpointing, deepspeed_config, deepspeed_engine, fsdp2, log
+from distlab.gpt import checkpointing, deepspeed_config, deepspeed_engine, dist_checkpointing, fsdp2, log
 from distlab.gpt.arguments import PretrainArgs, parse_split
 from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
@@ -70,6 +70,7 @@ class Run:
     tensorboard: log.TensorBoardLog
     peak_meter: PeakMeter  # started just before the model was built
     backend: StepBackend  # LocalBackend, DeepSpeed's engine (--deepspeed) or FSDP2Backend
+    checkpointer: dist_checkpointing.Checkpointer  # --save in --ckpt-format's format (--async-save)
     deepspeed_config: dict | None = None
     iteration: int = 0
     consumed: int = 0  # samples
@@ -112,7 +113,7 @@ class Run:
 
 def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     """Groups, data, model, optimizer and schedule, printing Megatron's start-up lines."""
-    state = ParallelState.build(layout)
+    state = ParallelState.build(layout, timeout_s=60 * args.distributed_timeout_minutes)
     precision = Precision.from_args(args)
     rank0, device = state.rank == 0, ctx.device
     threads = cap_cpu_threads(ctx.env.local_world_size) if device.type == "cpu" else f"device: {device}"
@@ -167,6 +168,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         backend=LocalBackend(model, optimizer, state, clip_grad=args.clip_grad, scaler=scaler)
         if mesh is None
         else fsdp2.FSDP2Backend(model, optimizer, mesh, clip_grad=args.clip_grad),
+        checkpointer=dist_checkpointing.Checkpointer(args, state, device),
     )
     if args.deepspeed:
         use_deepspeed(run)
@@ -277,7 +279,7 @@ def _build_forward_backward(
 
 def load(run: Run) -> None:
     """Resume from ``--load`` (model, optimizer, scaler, RNG, iteration, consumed samples)."""
-    loaded = checkpointing.load_checkpoint(run.args, run.state, run.model, run.optimizer)
+    loaded = dist_checkpointing.load(run.args, run.state, run.model, run.optimizer)  # --ckpt-format's
     if loaded is None:
         print_on(run.rank0, checkpointing.resume_line(run.args.load, None, run.ctx))
         return

@@ -15,6 +15,10 @@ the consumed samples; data order is a function of consumed samples, so a resumed
 same trajectory. That is what ``torchrun --max-restarts N`` relies on: with ``--load`` equal to
 ``--save``, a restarted attempt resumes from the latest checkpoint by itself, and says so
 (:func:`resume_line`).
+
+This is ``--ckpt-format torch`` (the default; Megatron's legacy format). ``--ckpt-format
+torch_dist`` (``dist_checkpointing.py``) writes sharded checkpoints with the same tracker and the
+same atomic :func:`commit`.
 """
 
 from __future__ import annotations
@@ -59,14 +63,15 @@ def rank_file(folder: str, state: ParallelState) -> str:
     return os.path.join(folder, sub, "model_optim_rng.pt")
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's generators: torch (and CUDA), NumPy, Python."""
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng
 
 
-def _set_rng_state(rng: dict) -> None:
+def set_rng_state(rng: dict) -> None:
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
@@ -99,24 +104,32 @@ def save_checkpoint(
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler_state,
-                "rng": _rng_state(),
+                "rng": rng_state(),
                 "args": dataclasses.asdict(args),
             },
             path,
         )
     dist.barrier()
     if state.rank == 0:
-        if os.path.exists(final):  # re-saving an iteration: keep the old one until the new is in place
-            os.replace(final, final + ".old")
-        os.replace(tmp, final)
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        tracker_tmp = os.path.join(args.save, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(args.save, TRACKER))
+        commit(args.save, iteration)
     dist.barrier()
+    return final
+
+
+def commit(root: str, iteration: int) -> str:
+    """Rename the complete ``iter_<iteration>.tmp`` to ``iter_<iteration>``, then point the tracker
+    at it (one process, after every rank has written); return the folder."""
+    final = checkpoint_dir(root, iteration)
+    if os.path.exists(final):  # re-saving an iteration: keep the old one until the new is in place
+        os.replace(final, final + ".old")
+    os.replace(final + ".tmp", final)
+    shutil.rmtree(final + ".old", ignore_errors=True)
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
     return final
 
 
@@ -142,14 +155,28 @@ def load_checkpoint(
     iteration = read_tracker(args.load)
     if iteration is None:
         return None
-    path = rank_file(checkpoint_dir(args.load, iteration), state)
+    folder = checkpoint_dir(args.load, iteration)
+    path = rank_file(folder, state)
+    if os.path.exists(os.path.join(folder, ".metadata")):  # DCP's
+        raise FileNotFoundError(
+            f"{folder} was written with --ckpt-format torch_dist (torch.distributed.checkpoint): "
+            f"load it with --ckpt-format torch_dist"
+        )
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"{path} is missing: the checkpoint was written with another tensor/pipeline "
             f"layout than tp={state.tp} pp={state.pp}"
         )
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    saved = ckpt["args"]
+    check_args(ckpt["args"], args, path)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    set_rng_state(ckpt["rng"])
+    return ckpt["iteration"], ckpt["consumed_samples"], ckpt["scaler"]
+
+
+def check_args(saved: dict, args: PretrainArgs, path: str) -> None:
+    """Raise naming every argument of :data:`MUST_MATCH` on which the checkpoint and the run differ."""
     diffs = [
         f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
         for k in MUST_MATCH
@@ -157,10 +184,6 @@ def load_checkpoint(
     ]
     if diffs:
         raise ValueError(f"checkpoint {path} does not fit this run: " + "; ".join(diffs))
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    _set_rng_state(ckpt["rng"])
-    return ckpt["iteration"], ckpt["consumed_samples"], ckpt["scaler"]
 
 
 def resume_line(load: str, iteration: int | None, ctx: DistContext) -> str:

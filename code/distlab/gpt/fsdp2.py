@@ -27,7 +27,8 @@ shards, their gradients and the optimizer state stay on the CPU, where the optim
 all-gather first copies a unit's shards to the device.
 
 Megatron-LM's ``--use-torch-fsdp2`` (``TorchFullyShardedDataParallel``) shards the same way. Its
-refusals (tensor or pipeline parallelism, --fp16, --deepspeed, --save/--load) are checked with the
+refusals (tensor or pipeline parallelism, --fp16, --deepspeed, --save/--load in the legacy format:
+sharded states need ``--ckpt-format torch_dist``, ``dist_checkpointing.py``) are checked with the
 other arguments, in ``arguments.py``.
 """
 

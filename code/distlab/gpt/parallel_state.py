@@ -7,6 +7,7 @@ passed explicitly.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -28,8 +29,13 @@ class ParallelState:
     embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, layout: Layout) -> ParallelState:
-        """Create every group on every rank (``new_group`` is collective), keep ours."""
+    def build(cls, layout: Layout, timeout_s: float | None = None) -> ParallelState:
+        """Create every group on every rank (``new_group`` is collective), keep ours.
+
+        ``timeout_s`` (``--distributed-timeout-minutes``): how long a collective of these groups
+        waits for a missing rank. ``new_group`` does not inherit the default group's timeout: left
+        out, it is PyTorch's default (30 min for gloo, 10 for NCCL)."""
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         if layout.world_size != dist.get_world_size():
             raise ValueError(
                 f"the layout is for world size {layout.world_size}, the process group has "
@@ -38,12 +44,12 @@ class ParallelState:
         state = cls(layout=layout, rank=dist.get_rank())
         for dim in ORDER:
             for ranks in layout.groups(dim):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if state.rank in ranks:
                     setattr(state, f"{dim}_group", group)
         for ranks in layout.groups("pp"):
             ends = sorted({ranks[0], ranks[-1]})
-            group = dist.new_group(ends)
+            group = dist.new_group(ends, timeout=timeout)
             if state.rank in ends:
                 state.embedding_group = group
         return state

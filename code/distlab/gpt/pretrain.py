@@ -6,7 +6,8 @@
                           (``build.py``), train
     train(run)            the loop: Run.step, report_memory (after the first iteration: per rank,
                           and the estimator's predicted peak next to the measured one),
-                          log_iteration, maybe_evaluate, maybe_save, time_exceeded;
+                          log_iteration, maybe_evaluate, maybe_save, stop_requested
+                          (--exit-duration-in-mins, --exit-signal-handler: one MAX all-reduce);
                           then finish: final save, pipeline timeline, final validation and test
 
 Logs follow Megatron: start-up lines from rank 0, iteration lines from the last rank (where the
@@ -21,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from distlab.distributed import discover, init_distributed, print_on, shutdown
-from distlab.gpt import checkpointing, log
+from distlab.gpt import log
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
+from distlab.gpt.fault_handling import EXIT_SIGNAL, HANG, ExitSignal, is_timeout, missing_ranks
 from distlab.gpt.gpt_dataset import GPTDataset
 from distlab.gpt.interfaces import StepResult
 from distlab.gpt.memory import memory_report, out_of_memory_message
@@ -43,21 +45,29 @@ def pretrain(argv: list[str] | None = None) -> dict:
         layout = validate_args(args, discover().world_size)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
+    # before anything slow: SIGTERM's and SIGUSR1's default action would end a rank still starting
+    exit_signal = ExitSignal(args.exit_signal).install() if args.exit_signal_handler else None
     ctx = init_distributed(args.distributed_backend, timeout_s=60 * args.distributed_timeout_minutes)
     run = None
     try:
         run = build_run(args, layout, ctx)
-        return train(run)
+        return train(run, exit_signal)
     except torch.OutOfMemoryError as exc:  # CUDA's allocator (and --device-memory-gib's cap)
         raise OutOfMemory(out_of_memory_message(exc, args.micro_batch_size, args.device_memory_gib)) from None
+    except RuntimeError as exc:
+        if run is not None and is_timeout(exc):  # a hang: name the ranks that do not answer
+            report_hang(run)
+        raise
     finally:
         if run is not None:
             run.backend.close()
         run = None  # unreachable now: shutdown() frees the run, then its groups' threads stop
         shutdown()
+        if exit_signal is not None:
+            exit_signal.release()
 
 
-def train(run: Run) -> dict:
+def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     """The training loop, then :func:`finish`; returns the history."""
     args = run.args
     timer = log.Timer(run.ctx.device)  # the one clock: iteration times and --exit-duration-in-mins
@@ -80,10 +90,19 @@ def train(run: Run) -> dict:
         log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
         maybe_evaluate(run)
         maybe_save(run)
-        if time_exceeded(run, timer):
+        if stop_requested(run, timer, exit_signal):
             break
     profiler.stop()
     return finish(run)
+
+
+def report_hang(run: Run) -> None:
+    """After a collective timed out: which ranks miss a monitored barrier (gloo), said by rank 0."""
+    timeout_s = 60 * run.args.distributed_timeout_minutes
+    ranks = missing_ranks(timeout_s)
+    if ranks is not None:
+        line = HANG.format(iteration=run.iteration + 1, timeout_s=timeout_s, ranks=", ".join(map(str, ranks)))
+        print_on(True, line)
 
 
 def report_memory(run: Run) -> None:
@@ -148,6 +167,7 @@ def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboa
 
 
 def maybe_save(run: Run) -> None:
+    print_on(run.rank0, *run.checkpointer.poll())  # an --async-save that completed since
     if run.args.save and run.args.save_interval and run.iteration % run.args.save_interval == 0:
         save(run)
 
@@ -155,23 +175,33 @@ def maybe_save(run: Run) -> None:
 def save(run: Run) -> None:
     """Checkpoint the model, optimizer, scaler and RNG at this iteration (atomically)."""
     scaler_state = run.scaler.state_dict() if run.scaler else None
-    checkpointing.save_checkpoint(
-        run.args, run.state, run.model, run.optimizer, scaler_state, run.iteration, run.consumed
-    )
+    lines = run.checkpointer.save(run.model, run.optimizer, scaler_state, run.iteration, run.consumed)
     run.saved_at = run.iteration
-    print_on(run.rank0, f"  successfully saved checkpoint at iteration {run.iteration:7d} to {run.args.save}")
+    # dist_checkpointing.SAVED, with blocking and total time (none while --async-save writes)
+    print_on(run.rank0, *lines)
 
 
-def time_exceeded(run: Run, timer: log.Timer) -> bool:
-    """--exit-duration-in-mins, measured from the start of training; every rank agrees (MAX)."""
-    if run.args.exit_duration_in_mins is None:
+def stop_requested(run: Run, timer: log.Timer, exit_signal: ExitSignal | None) -> bool:
+    """--exit-duration-in-mins (from the start of training) and --exit-signal-handler, decided by
+    every rank together at the end of the iteration (one MAX all-reduce): a signal that reached one
+    rank stops them all at the same iteration. On a signal: save now (with --save), then say so."""
+    limit = run.args.exit_duration_in_mins
+    if limit is None and exit_signal is None:
         return False
     minutes = timer.elapsed() / 60
-    flag = torch.tensor(float(minutes > run.args.exit_duration_in_mins), device=run.ctx.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    done = bool(flag.item())
-    print_on(run.rank0 and done, f"exiting program after {minutes:.2f} minutes at iteration {run.iteration}")
-    return done
+    local = [limit is not None and minutes > limit, exit_signal is not None and exit_signal.received]
+    flags = torch.tensor([float(f) for f in local], device=run.ctx.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    timed_out, signalled = (bool(f) for f in flags.tolist())
+    if signalled:
+        if run.args.save and run.saved_at != run.iteration:
+            save(run)
+        print_on(run.rank0, EXIT_SIGNAL.format(signal=exit_signal.name, iteration=run.iteration))
+        return True
+    print_on(
+        run.rank0 and timed_out, f"exiting program after {minutes:.2f} minutes at iteration {run.iteration}"
+    )
+    return timed_out
 
 
 def finish(run: Run) -> dict:
@@ -179,6 +209,7 @@ def finish(run: Run) -> dict:
     args, history = run.args, run.tlog.history
     if args.save and run.saved_at != run.iteration:
         save(run)
+    print_on(run.rank0, *run.checkpointer.wait())  # --async-save: the last write committed
     if run.timeline is not None and run.timeline.events:
         write_timeline(run)
     print_on(run.rank0, "[after training is done]")

@@ -1,0 +1,286 @@
+"""--exit-signal-handler and the hang report: a signal to one rank, a rank that stops answering.
+
+Every run is ``code/pretrain_gpt.py`` on 2 gloo ranks with a tiny model. A small wrapper
+(``WORKER``) lets one rank act at the end of a chosen iteration, as a user or Slurm would from
+outside, but at a known point: send SIGUSR1 to itself, to torchrun (its parent), or stop itself
+with SIGSTOP. The checks:
+
+* one rank signalled: every rank stops at that iteration, the checkpoint is that iteration, the
+  run exits 0 and says so; resumed with ``--load``, it ends with the uninterrupted run's losses;
+* torchrun signalled (``--signals-to-handle ...,SIGUSR1``): it forwards the signal, the workers save
+  and end, and the checkpoint resumes to the same losses (torchrun itself ends with 1);
+* a rank stopped: the other waits ``--distributed-timeout-minutes`` in its collective, then names
+  the stopped rank (``monitored_barrier``) and fails, instead of hanging for PyTorch's 30 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from distlab import REPO_ROOT, faults
+from distlab.checks import ExerciseError
+from distlab.distributed import free_port, torchrun_env
+from distlab.gpt.arguments import parse_args, validate_args
+from distlab.gpt.checkpointing import resume_line
+from distlab.gpt.dist_checkpointing import SAVED
+from distlab.gpt.fault_handling import EXIT_SIGNAL, HANG, ExitSignal
+from distlab.gpt.local_run import prepare_data
+from distlab.logs import restarts
+from distlab.logs.formats import ITERATION
+from distlab.logs.megatron import banner_line
+
+pytestmark = pytest.mark.timeout(120)
+
+TRAIN_ITERS, SIGNAL_AT = 12, 7
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --max-position-embeddings 32"
+    " --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine"
+    " --lr-warmup-fraction 0.1 --split 90,10,0 --log-interval 1 --eval-interval 1000 --eval-iters 1"
+    f" --seed 5 --train-iters {TRAIN_ITERS}"
+).split()
+PRETRAIN = str(REPO_ROOT / "code" / "pretrain_gpt.py")
+
+#: pretrain_gpt.py, where the rank whose RANK is ACT_RANK does ACT ("usr1": SIGUSR1 to itself;
+#: "usr1-parent": to torchrun; "stop": SIGSTOP to itself) after iteration ACT_AT and its save.
+WORKER = """
+import os, runpy, signal, sys
+
+script = sys.argv[1]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+if os.environ.get("RANK") == os.environ["ACT_RANK"]:
+    import distlab.gpt.pretrain as pretrain
+
+    maybe_save = pretrain.maybe_save
+
+    def maybe_save_then_act(run):
+        maybe_save(run)
+        if run.iteration == int(os.environ["ACT_AT"]):
+            act = os.environ["ACT"]
+            if act == "stop":
+                with open(os.environ["ACT_FILE"], "w") as f:
+                    f.write(str(os.getpid()))
+            pid = os.getppid() if act == "usr1-parent" else os.getpid()
+            os.kill(pid, signal.SIGSTOP if act == "stop" else signal.SIGUSR1)
+
+    pretrain.maybe_save = maybe_save_then_act
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepare_data(tmp_path_factory.mktemp("gptdata"), vocab_size=512, max_files=80).argv()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
+    return {**env, "OMP_NUM_THREADS": "1", "ACT_RANK": "-1", "ACT_AT": "0", "ACT": "", **extra}
+
+
+def torchrun(folder: Path, argv: list[str], *launcher: str, **act: str) -> tuple[str, int]:
+    """``torchrun --standalone`` of 2 ranks through ``WORKER``; the log and torchrun's exit code."""
+    folder.mkdir(parents=True, exist_ok=True)
+    worker = folder / "worker.py"
+    worker.write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher]
+    cmd += [str(worker), PRETRAIN, *argv]
+    out = subprocess.run(cmd, cwd=folder, env=clean_env(**act), capture_output=True, text=True, timeout=90)
+    return out.stdout + out.stderr, out.returncode
+
+
+def losses(log: str) -> dict[int, float]:
+    return {r["it"]: r["loss"] for r in ITERATION.parse(log)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory) -> dict[int, float]:
+    log, rc = torchrun(tmp_path_factory.mktemp("uninterrupted"), [*TINY, *data])
+    assert rc == 0, log[-4000:]
+    got = losses(log)
+    assert sorted(got) == list(range(1, TRAIN_ITERS + 1)), log[-4000:]
+    return got
+
+
+def resume_and_compare(folder: Path, data: list[str], ckpt: str, stopped_at: int, reference: dict) -> None:
+    """A second run with --load resumes after ``stopped_at`` and ends with ``reference``'s losses."""
+    log, rc = torchrun(folder / "resumed", [*TINY, *data, "--load", ckpt, "--save", ckpt])
+    assert rc == 0, log[-4000:]
+    assert f"> loaded checkpoint from {ckpt} at iteration {stopped_at}" in log
+    got = losses(log)
+    assert sorted(got) == list(range(stopped_at + 1, TRAIN_ITERS + 1))
+    far = {it: (got[it], reference[it]) for it in got if abs(got[it] - reference[it]) > 1e-6}
+    assert not far, f"losses (resumed, uninterrupted) differ at {far}"
+
+
+def test_exit_signal_arguments():
+    args = parse_args(
+        [*TINY, "--exit-signal", "SIGUSR1", "--data-path", "x", "--vocab-file", "x", "--merge-file", "x"]
+    )
+    with pytest.raises(ValueError, match="--exit-signal SIGUSR1 was given without --exit-signal-handler"):
+        validate_args(args, 1)
+    with pytest.raises(SystemExit):  # argparse: not one of Megatron's four
+        parse_args([*TINY, "--exit-signal-handler", "--exit-signal", "SIGKILL"])
+    assert parse_args(TINY).exit_signal == "SIGTERM" and not parse_args(TINY).exit_signal_handler
+
+
+def test_exit_signal_only_sets_a_flag_and_gives_the_signal_back():
+    before = signal.getsignal(signal.SIGUSR2)
+    handler = ExitSignal("SIGUSR2").install()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    time.sleep(0.01)  # Python runs handlers between bytecodes
+    assert handler.received
+    handler.release()
+    assert signal.getsignal(signal.SIGUSR2) == before
+    with pytest.raises(ValueError, match="choose one of SIGTERM, SIGINT, SIGUSR1, SIGUSR2"):
+        ExitSignal("SIGKILL")
+
+
+def test_sigusr1_to_one_rank_saves_that_iteration_everywhere_and_exits_0(data, uninterrupted, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = [*TINY, *data, "--save", ckpt, "--load", ckpt, "--save-interval", "5"]
+    argv += ["--exit-signal-handler", "--exit-signal", "SIGUSR1"]
+    log, rc = torchrun(tmp_path / "signalled", argv, ACT_RANK="1", ACT_AT=str(SIGNAL_AT), ACT="usr1")
+    assert rc == 0, log[-4000:]
+    assert EXIT_SIGNAL.parse(log) == [{"signal": "SIGUSR1", "iteration": SIGNAL_AT}]
+    assert sorted(losses(log)) == list(range(1, SIGNAL_AT + 1)), (
+        "every rank stopped at the signalled iteration"
+    )
+    assert (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text() == str(SIGNAL_AT)
+    assert log.index(f"saved checkpoint at iteration {SIGNAL_AT:7d}") < log.index("exiting program after")
+    resume_and_compare(tmp_path, data, ckpt, SIGNAL_AT, uninterrupted)
+
+
+def test_sigusr1_to_torchrun_is_forwarded_and_the_run_resumes(data, uninterrupted, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = [*TINY, *data, "--save", ckpt, "--load", ckpt, "--exit-signal-handler", "--exit-signal", "SIGUSR1"]
+    handle = ("--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    log, rc = torchrun(tmp_path / "signalled", argv, *handle, ACT_RANK="0", ACT_AT="3", ACT="usr1-parent")
+    assert "Received 10 death signal, shutting down workers" in log, log[-4000:]
+    assert rc != 0  # torchrun re-raises the signal it handled (SignalException)
+    (stop,) = EXIT_SIGNAL.parse(log)
+    assert 3 <= stop["iteration"] < TRAIN_ITERS, log[-4000:]
+    assert (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text() == str(stop["iteration"])
+    resume_and_compare(tmp_path, data, ckpt, stop["iteration"], uninterrupted)
+
+
+def test_a_stopped_rank_is_named_after_the_timeout(data, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) after iteration 3; rank 0 waits 6 s in the gradient all-reduce
+    (a data-parallel group's, which must get the flag's timeout too), then names rank 1 and fails."""
+    worker, pid_file = tmp_path / "worker.py", tmp_path / "stopped.pid"
+    worker.write_text(WORKER)
+    port, argv = free_port(), [*TINY, *data, "--distributed-timeout-minutes", "0.1", "--train-iters", "200"]
+    act = dict(ACT_RANK="1", ACT_AT="3", ACT="stop", ACT_FILE=str(pid_file))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), PRETRAIN, *argv],
+            env={**clean_env(**act), **torchrun_env(rank, 2, port)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        log, _ = procs[0].communicate(timeout=80)
+        started_waiting = pid_file.stat().st_mtime
+        waited = time.time() - started_waiting
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode != 0
+    assert "Timed out waiting 6000ms" in log, log[-4000:]
+    assert HANG.parse(log) == [{"iteration": 4, "timeout_s": 6.0, "ranks": "1"}], log[-4000:]
+    assert 6 <= waited < 40, f"rank 0 ended {waited:.0f} s after rank 1 stopped"
+
+
+# --- reading a restarted run's log (distlab.logs.restarts) and the checkpoint interval (distlab.faults) ---
+
+
+def attempt_log(
+    first: int, last: int, resume: str, saves=(), stop: int | None = None, shift: float = 0.0
+) -> str:
+    """One attempt as the engine prints it: banner, resume line, iteration and save lines."""
+    lines = [banner_line(4), resume]
+    for it in range(first, last + 1):
+        lines.append(ITERATION.format(it=it, total=20, samples=8 * it, ms=30.0, lr=1e-3, gbs=8,
+                                      loss=7.0 - it / 10 + shift, scale=1.0, skipped=0, nan=0))  # fmt: skip
+        if it in saves:
+            lines.append(
+                SAVED.format(iteration=it, folder="ck", format="torch", blocking_ms=5.0, total_ms=6.0)
+            )
+    if stop is not None:
+        lines.append(EXIT_SIGNAL.format(signal="SIGUSR1", iteration=stop))
+    return "\n".join(lines) + "\n"
+
+
+def resume(iteration: int | None, restart: int = 0) -> str:
+    return resume_line("ck", iteration, SimpleNamespace(restart=restart, max_restarts=1))
+
+
+REFERENCE = restarts.final_losses(attempt_log(1, 20, resume(None), saves=(5, 10, 15, 20)))
+SURVIVED = attempt_log(1, 13, resume(None), saves=(5, 10)) + attempt_log(
+    11, 20, resume(10, 1), saves=(15, 20)
+)
+
+
+def test_attempts_of_a_restarted_and_of_a_requeued_run():
+    first, second = restarts.attempts(SURVIVED)
+    assert (first.resumed_from, first.restart, first.last, first.saved) == (0, 0, 13, [5, 10])
+    assert (second.resumed_from, second.restart, second.last, second.save_ms) == (10, 1, 20, [6.0, 6.0])
+    assert (
+        restarts.final_losses(SURVIVED) == REFERENCE and restarts.largest_difference(SURVIVED, REFERENCE) == 0
+    )
+    requeued = attempt_log(1, 7, resume(None), saves=(5, 7), stop=7) + attempt_log(
+        8, 20, resume(7), saves=(10,)
+    )
+    stopped, resumed = restarts.attempts(requeued)
+    assert (stopped.exit_signal, resumed.resumed_from, resumed.restart) == (7, 7, 0)
+    hang = HANG.format(iteration=4, timeout_s=6.0, ranks="1, 3")
+    assert restarts.hang_report(f"x\n{hang}\n") == {"iteration": 4, "timeout_s": 6.0, "ranks": [1, 3]}
+
+
+def test_exercise_check_passes_only_a_run_that_resumed_from_a_recent_checkpoint(capsys):
+    assert restarts.check_survived(None, REFERENCE, max_interval=5) is False
+    assert "[not yet]" in capsys.readouterr().out
+    assert restarts.check_survived(SURVIVED, REFERENCE, max_interval=5)
+    died = attempt_log(1, 13, resume(None), saves=(5, 10))  # --max-restarts 0: the job failed
+    scratch = died + attempt_log(1, 20, resume(None, 1), saves=(5, 10, 15, 20))  # --load elsewhere
+    no_load = died + attempt_log(1, 20, "", saves=(5, 10, 15, 20))  # no --load: no resume line at all
+    rare = attempt_log(1, 13, resume(None), saves=(10,)) + attempt_log(11, 20, resume(10, 1), saves=(20,))
+    drift = attempt_log(1, 13, resume(None), saves=(5, 10)) + attempt_log(
+        11, 20, resume(10, 1), (15, 20), shift=0.1
+    )
+    for log, why in [(died, "--max-restarts"), (scratch, "from scratch"), (no_load, "from scratch"), (rare, "--save-interval <= 5"),
+                     (drift, "same trajectory")]:  # fmt: skip
+        with pytest.raises(ExerciseError, match=why):
+            restarts.check_survived(log, REFERENCE, max_interval=5)
+
+
+def test_young_daly_interval_minimises_the_lost_time():
+    save_s, mtbf_s = 60.0, 3 * 3600.0
+    best = faults.young_daly_interval(save_s, mtbf_s)
+    assert best == pytest.approx(1138.4, abs=0.1)  # sqrt(2 x 60 x 10800)
+    assert faults.daly_interval(save_s, mtbf_s) == pytest.approx(best - save_s)
+    lost = [faults.lost_fraction(t, save_s, mtbf_s) for t in (0.5 * best, best, 2 * best)]
+    assert lost[1] < lost[0] and lost[1] < lost[2]
+    assert faults.job_mtbf_s(16384 * 3 * 3600.0, 16384) == 3 * 3600.0
+    assert faults.last_iteration(SURVIVED) == 20 and faults.last_iteration("") == 0
+
+
+def test_a_rank_is_the_process_that_runs_the_script_not_its_launcher():
+    py, script = "/venv/bin/python3", "/lab/code/pretrain_gpt.py"
+    assert faults.runs_script([py, "-u", script, "--num-layers", "2"])  # torchrun's worker, srun's task
+    assert not faults.runs_script([py, "/venv/bin/torchrun", "--nnodes=2", script])  # the agent names it
+    assert not faults.runs_script([py, "-m", "torch.distributed.run", script])
+    assert not faults.runs_script([py, "-c", "import x", script]) and not faults.runs_script([py])
