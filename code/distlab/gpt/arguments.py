@@ -437,7 +437,7 @@ def _deepspeed_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             "--rampup-batch-size / --step-batch-size-schedule"
         )
     try:
-        deepspeed_config.run_config(args, layout)
+        deepspeed_run_config(args, layout)
     except ValueError as exc:
         errors.append(str(exc))
     return errors
@@ -518,3 +518,15 @@ def _recompute_errors(args: PretrainArgs, layout: Layout) -> list[str]:
 def profile_ranks(args: PretrainArgs) -> set[int]:
     """The global ranks named by ``--profile-ranks`` ("0,2" -> {0, 2})."""
     return {int(r) for r in args.profile_ranks.split(",") if r.strip()}
+
+
+def deepspeed_run_config(args: PretrainArgs, layout: Layout) -> dict:
+    """The run's DeepSpeed config: ``--deepspeed_config`` (or none) filled and checked by the run."""
+    return deepspeed_config.load_config(
+        args.deepspeed_config or {},
+        micro_batch_size=layout.micro_batch_size,
+        accumulation_steps=layout.num_micro_batches,
+        world_size=layout.world_size,
+        zero_stage=args.zero_stage,
+        clip_grad=args.clip_grad or None,
+    )

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, print_on
 from distlab.gpt import checkpointing, deepspeed_config, deepspeed_engine, dist_checkpointing, fsdp2, log
-from distlab.gpt.arguments import PretrainArgs, parse_split
+from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
 from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
 from distlab.gpt.layout import Layout
@@ -187,7 +187,7 @@ def ramp_line(layout: Layout) -> str:
 
 def use_deepspeed(run: Run) -> None:
     """Hand the model and the run's optimizer to ``deepspeed.initialize``; step through the engine."""
-    config = deepspeed_config.run_config(run.args, run.layout)
+    config = deepspeed_run_config(run.args, run.layout)
     print_on(run.rank0, deepspeed_config.describe(config))
     engine = deepspeed_engine.initialize(run.model, run.optimizer, config)
     run.deepspeed_config, run.backend = config, deepspeed_engine.DeepSpeedBackend(engine)

@@ -14,13 +14,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from distlab.logs.formats import DEEPSPEED
-
-if TYPE_CHECKING:
-    from distlab.gpt.arguments import PretrainArgs
-    from distlab.gpt.layout import Layout
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -97,16 +92,4 @@ def describe(config: dict) -> str:
         train_batch_size=config["train_batch_size"],
         micro_batch=config["train_micro_batch_size_per_gpu"],
         accumulation=config["gradient_accumulation_steps"],
-    )
-
-
-def run_config(args: PretrainArgs, layout: Layout) -> dict:
-    """The run's DeepSpeed config: ``--deepspeed_config`` (or none) filled and checked by the run."""
-    return load_config(
-        args.deepspeed_config or {},
-        micro_batch_size=layout.micro_batch_size,
-        accumulation_steps=layout.num_micro_batches,
-        world_size=layout.world_size,
-        zero_stage=args.zero_stage,
-        clip_grad=args.clip_grad or None,
     )
