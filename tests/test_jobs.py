@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -94,10 +95,27 @@ def test_sbatch_error_is_shown(slurm_cluster, tmp_path):
 
 
 def test_timed_out_job_is_reported_as_timeout(slurm_cluster, tmp_path):
+    """A job that reaches its time limit ends TIMEOUT, reported with Slurm's line and its own.
+
+    Slurm counts limits in whole minutes and looks for jobs past theirs every 30 s, so a job given
+    the shortest limit runs 60 to 90 s. Instead, once the job runs, its limit is lowered to zero
+    (``scontrol update TimeLimit=0``, as a job's owner may), which moves its end time to now: Slurm
+    ends it for its time limit at its next look, within 30 s.
+    """
     script = write_job(tmp_path, "too-long", "echo started; sleep 600\n")
     # On the command line: it beats the site profile's SBATCH_TIMELIMIT, which beats #SBATCH lines.
+    job = jobs.submit(script, "--time=00:01:00")
+    assert job.info["TimeLimit"] == "00:01:00", job.info
+    deadline = time.monotonic() + 60
+    while not job.grep("^started$"):
+        assert time.monotonic() < deadline, f"job {job.id} never started: {jobs.refresh(job).state}"
+        time.sleep(0.2)
+    lowered = subprocess.run(
+        ["scontrol", "update", f"JobId={job.id}", "TimeLimit=0"], capture_output=True, text=True, timeout=30
+    )
+    assert lowered.returncode == 0, lowered.stderr
     with pytest.raises(jobs.JobFailed) as err:
-        jobs.run(script, "--time=00:01:00", timeout=200)
+        jobs.wait(job, timeout=90)
     assert err.value.job.state == "TIMEOUT"
     assert "time limit" in str(err.value)
     assert "started" in str(err.value)  # the log tail comes with it
@@ -107,7 +125,7 @@ def test_wait_has_a_timeout_and_cancels(slurm_cluster, tmp_path):
     script = write_job(tmp_path, "waits", "sleep 600\n")
     job = jobs.submit(script)
     with pytest.raises(jobs.JobTimeout, match="of running .* cancelled it"):
-        jobs.wait(job, timeout=3)
+        jobs.wait(job, timeout=1)
     assert jobs.wait(job, timeout=60, check=False).state == "CANCELLED"
 
 
@@ -134,7 +152,7 @@ def test_held_job_is_waited_for_not_cancelled(slurm_cluster, tmp_path, capsys):
 
 
 def test_dependency_is_waited_for(slurm_cluster, tmp_path, capsys):
-    first = jobs.submit(write_job(tmp_path, "first", "sleep 5\n"))
+    first = jobs.submit(write_job(tmp_path, "first", "sleep 2\n"))
     second = jobs.submit(write_job(tmp_path, "second", "echo after\n"), f"--dependency=afterok:{first.id}")
     jobs.wait(second, timeout=30, pending_timeout=120)
     assert second.grep("^after$") and "(Dependency)" in capsys.readouterr().out
@@ -143,7 +161,7 @@ def test_dependency_is_waited_for(slurm_cluster, tmp_path, capsys):
 def test_pending_has_its_own_limit(slurm_cluster, tmp_path):
     job = jobs.submit(write_job(tmp_path, "stays-held", "true\n"), "--hold")
     with pytest.raises(jobs.JobTimeout, match=r"still PENDING \(JobHeldUser\) after \d+ s in the queue"):
-        jobs.wait(job, timeout=600, pending_timeout=3)
+        jobs.wait(job, timeout=600, pending_timeout=1)
     assert jobs.wait(job, timeout=30, check=False).state == "CANCELLED"
 
 
