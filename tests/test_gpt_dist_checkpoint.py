@@ -27,6 +27,7 @@ from distlab.gpt.local_run import RunResult, prepare_data, spawn_pretrain
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
+from distlab.logs.formats import SAVED
 from tests.conftest import run_gloo
 from tests.test_gpt_training import TINY
 
@@ -177,13 +178,13 @@ def test_async_save_writes_the_same_checkpoints(runs, tmp_path) -> None:
         assert got.keys() == want.keys() and any(isinstance(v, torch.Tensor) for v in want.values())
         for key, value in want.items():
             assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
-    lines = dist_checkpointing.SAVED.parse(asynchronous.logs[0])
+    lines = SAVED.parse(asynchronous.logs[0])
     assert [(r["iteration"], r["format"], r.get("mode")) for r in lines] == [
         (3, "torch_dist", "async"),
         (6, "torch_dist", "async"),
     ]
     assert all(0 < r["blocking_ms"] <= r["total_ms"] for r in lines)
-    (line,) = dist_checkpointing.SAVED.parse(sync.logs[0])[-1:]
+    (line,) = SAVED.parse(sync.logs[0])[-1:]
     assert "mode" not in line and line["blocking_ms"] == line["total_ms"]
 
 

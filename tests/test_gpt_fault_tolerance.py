@@ -30,11 +30,10 @@ from distlab.checks import ExerciseError
 from distlab.distributed import free_port, torchrun_env
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.checkpointing import resume_line
-from distlab.gpt.dist_checkpointing import SAVED
-from distlab.gpt.fault_handling import EXIT_SIGNAL, HANG, ExitSignal
+from distlab.gpt.fault_handling import ExitSignal
 from distlab.gpt.local_run import prepare_data
 from distlab.logs import restarts
-from distlab.logs.formats import ITERATION
+from distlab.logs.formats import EXIT_SIGNAL, HANG, ITERATION, SAVED
 from distlab.logs.megatron import banner_line
 
 pytestmark = pytest.mark.timeout(120)

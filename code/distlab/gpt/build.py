@@ -23,12 +23,13 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, print_on
-from distlab.gpt import checkpointing, deepspeed_config, deepspeed_engine, dist_checkpointing, fsdp2, log
+from distlab.gpt import checkpointer, checkpointing, deepspeed_config, deepspeed_engine, log
 from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
 from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
@@ -70,7 +71,7 @@ class Run:
     tensorboard: log.TensorBoardLog
     peak_meter: PeakMeter  # started just before the model was built
     backend: StepBackend  # LocalBackend, DeepSpeed's engine (--deepspeed) or FSDP2Backend
-    checkpointer: dist_checkpointing.Checkpointer  # --save in --ckpt-format's format (--async-save)
+    checkpointer: checkpointer.Checkpointer  # --save in --ckpt-format's format (--async-save)
     deepspeed_config: dict | None = None
     iteration: int = 0
     consumed: int = 0  # samples
@@ -115,13 +116,15 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     """Groups, data, model, optimizer and schedule, printing Megatron's start-up lines."""
     state = ParallelState.build(layout, timeout_s=60 * args.distributed_timeout_minutes)
     precision = Precision.from_args(args)
+    # torch.distributed.fsdp only for runs that use it: imported, it changes DeepSpeed (checkpointer.py)
+    fsdp2 = importlib.import_module("distlab.gpt.fsdp2") if args.use_torch_fsdp2 else None
     rank0, device = state.rank == 0, ctx.device
     threads = cap_cpu_threads(ctx.env.local_world_size) if device.type == "cpu" else f"device: {device}"
     print_on(
         rank0,
         state.banner(),
         f"> launcher: {ctx.env.launcher}, backend: {ctx.backend}, {threads}",
-        fsdp2.precision_line(precision, device) if args.use_torch_fsdp2 else precision.describe(device),
+        fsdp2.precision_line(precision, device) if fsdp2 else precision.describe(device),
         BATCH.format(
             global_batch=layout.global_batch_size,
             micro_batch=layout.micro_batch_size,
@@ -143,7 +146,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         _warm_up_kernels(args, precision)
     peak_meter = PeakMeter(device).start()
     model = _build_model(args, state, vocab, device)
-    mesh = fully_shard_model(args, layout, model, device) if args.use_torch_fsdp2 else None
+    mesh = fully_shard_model(fsdp2, args, layout, model, device) if fsdp2 else None
     optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()  # on the shards with FSDP2
     timeline = None
     if args.pipeline_timeline:
@@ -168,7 +171,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         backend=LocalBackend(model, optimizer, state, clip_grad=args.clip_grad, scaler=scaler)
         if mesh is None
         else fsdp2.FSDP2Backend(model, optimizer, mesh, clip_grad=args.clip_grad),
-        checkpointer=dist_checkpointing.Checkpointer(args, state, device),
+        checkpointer=checkpointer.Checkpointer(args, state, device),
     )
     if args.deepspeed:
         use_deepspeed(run)
@@ -194,7 +197,7 @@ def use_deepspeed(run: Run) -> None:
 
 
 def fully_shard_model(
-    args: PretrainArgs, layout: Layout, model: GPTModel, device: torch.device
+    fsdp2: ModuleType, args: PretrainArgs, layout: Layout, model: GPTModel, device: torch.device
 ) -> DeviceMesh:
     """``--use-torch-fsdp2``: ``fully_shard`` every block and the root over the dp mesh; the mesh."""
     config = fsdp2.FSDP2Config.from_args(args)
@@ -279,7 +282,7 @@ def _build_forward_backward(
 
 def load(run: Run) -> None:
     """Resume from ``--load`` (model, optimizer, scaler, RNG, iteration, consumed samples)."""
-    loaded = dist_checkpointing.load(run.args, run.state, run.model, run.optimizer)  # --ckpt-format's
+    loaded = checkpointer.load(run.args, run.state, run.model, run.optimizer)  # --ckpt-format's
     if loaded is None:
         print_on(run.rank0, checkpointing.resume_line(run.args.load, None, run.ctx))
         return

@@ -1,5 +1,4 @@
-"""``--ckpt-format torch_dist``: sharded checkpoints with ``torch.distributed.checkpoint`` (DCP),
-and the run's :class:`Checkpointer` (either format, ``--async-save``, the save line).
+"""``--ckpt-format torch_dist``: sharded checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 Every rank writes its own part; a checkpoint written by N ranks loads into M. Under ``--save``
 (the folder Megatron-LM's torch_dist writes: DCP's files and a ``common.pt``)::
@@ -37,12 +36,14 @@ wait for it; rank 0 commits as soon as the write is complete. The save line give
 (until committed)::
 
       successfully saved checkpoint at iteration       6 to ckpt in torch_dist format (async) | blocking 9.8 ms | total 61.0 ms
+
+The run's saves and loads in either format go through ``checkpointer.py``, which imports this
+module only for ``torch_dist``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import shutil
 import time
@@ -63,15 +64,8 @@ from torch.distributed.checkpoint.state_dict import (
 from distlab.gpt import checkpointing
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.parallel_state import ParallelState
-from distlab.logs.formats import LogLine, Opt
 
 COMMON = "common.pt"  # Megatron-LM's name for the state every rank shares
-#: The save line of either format; ``blocking_ms == total_ms`` unless ``mode`` is "async".
-SAVED = LogLine(
-    "  successfully saved checkpoint at iteration {iteration:7d} to {folder} in {format} format",
-    Opt(" ({mode})"),
-    " | blocking {blocking_ms:.1f} ms | total {total_ms:.1f} ms",
-)
 
 
 #: The optimizer's param_groups keyed by parameter name too (``param_groups.<name>.lr``): the
@@ -199,82 +193,3 @@ def load_checkpoint(
     rngs, (tp_rank, pp_rank, _) = common["rng"], _coords(state)
     checkpointing.set_rng_state(rngs.get(_coords(state), rngs[(tp_rank, pp_rank, 0)]))  # new dp ranks: dp 0's
     return common["iteration"], common["consumed_samples"], common["scaler"]
-
-
-def load(
-    args: PretrainArgs, state: ParallelState, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[int, int, dict | None] | None:
-    """``--load`` in ``--ckpt-format``'s format (see :func:`load_checkpoint`)."""
-    if args.ckpt_format == "torch_dist":
-        return load_checkpoint(args, state, model, optimizer)
-    return checkpointing.load_checkpoint(args, state, model, optimizer)
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """An asynchronous save not yet reported: its commit, its iteration, its clock."""
-
-    committed: Future
-    iteration: int
-    started: float
-    blocking_s: float
-
-
-class Checkpointer:
-    """The run's saves under ``--save`` in ``--ckpt-format``'s format, and their save lines.
-
-    ``save`` writes (torch, torch_dist) or starts the write (``--async-save``: at most one in
-    flight, the next ``save`` waits for it); ``poll`` reports an asynchronous save that has
-    completed; ``wait`` blocks until it has (the end of training). Each returns the save lines
-    to print (rank 0 prints them), none while a write is in flight."""
-
-    def __init__(self, args: PretrainArgs, state: ParallelState, device: torch.device) -> None:
-        self.args, self.state, self.device = args, state, device
-        self.group: dist.ProcessGroup | None = None  # the async writes' gloo group, made at the first
-        self.in_flight: _InFlight | None = None
-
-    def save(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scaler_state: dict | None,
-        iteration: int,
-        consumed_samples: int,
-    ) -> list[str]:
-        started = self._clock()
-        lines = self.wait()  # the previous write: the folder is free, its line printed
-        state = (self.args, self.state, model, optimizer, scaler_state, iteration, consumed_samples)
-        if not self.args.async_save:
-            save = save_checkpoint if self.args.ckpt_format == "torch_dist" else checkpointing.save_checkpoint
-            save(*state)
-            elapsed = self._clock() - started
-            return [*lines, self._line(iteration, elapsed, elapsed)]
-        if self.group is None:  # collective: every rank saves at the same iteration
-            timeout = datetime.timedelta(minutes=self.args.distributed_timeout_minutes)
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
-        committed = async_save_checkpoint(*state, group=self.group)
-        self.in_flight = _InFlight(committed, iteration, started, self._clock() - started)
-        return lines
-
-    def poll(self) -> list[str]:
-        """The line of the asynchronous save in flight if it has completed."""
-        if self.in_flight is not None and self.in_flight.committed.done():
-            return self.wait()
-        return []
-
-    def wait(self) -> list[str]:
-        """Block until the asynchronous save in flight is committed (its error raises here); its line."""
-        if self.in_flight is None:
-            return []
-        save, self.in_flight = self.in_flight, None
-        finished = save.committed.result()
-        return [self._line(save.iteration, save.blocking_s, finished - save.started, mode="async")]
-
-    def _clock(self) -> float:
-        if self.device.type == "cuda":  # the step's kernels are not the save's time
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _line(self, iteration: int, blocking_s: float, total_s: float, mode: str | None = None) -> str:
-        return SAVED.format(iteration=iteration, folder=self.args.save, format=self.args.ckpt_format,
-                            mode=mode, blocking_ms=1000 * blocking_s, total_ms=1000 * total_s)  # fmt: skip

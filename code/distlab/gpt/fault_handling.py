@@ -5,7 +5,7 @@
     handler = ExitSignal("SIGUSR1").install()  # from now on the signal only sets a flag
     ...                                         # end of every iteration, on every rank:
     MAX all-reduce of handler.received          # (pretrain.stop_requested) one rank's signal stops all
-    save, then EXIT_SIGNAL's line; exit 0
+    save, then logs.formats.EXIT_SIGNAL's line; exit 0
     handler.release()                           # the previous handler is back
 
 Why a flag and an agreement instead of exiting in the handler: the signal reaches the ranks at
@@ -25,7 +25,7 @@ SIGUSR1 for ``--exit-signal SIGUSR1``), then waits ``--shutdown-timeout`` second
 collective until ``--distributed-timeout-minutes``, then gloo raises "Timed out waiting 6000ms for
 recv operation to complete", without saying for whom. :func:`missing_ranks` then asks
 ``dist.monitored_barrier`` (gloo only: rank 0 waits for every rank, one by one, for the same time)
-which ranks do not answer, and rank 0 prints :data:`HANG`. On GPUs NCCL's watchdog thread does this
+which ranks do not answer, and rank 0 prints ``logs.formats.HANG``. On GPUs NCCL's watchdog thread does this
 job: it aborts a collective past the timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and its flight
 recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``) says which ranks never
 joined which collective.
@@ -40,18 +40,8 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from distlab.logs.formats import LogLine
-
 #: The signals ``--exit-signal`` accepts (Megatron-LM's SIGNAL_MAP).
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
-
-#: After the save, rank 0: ``exiting program after receiving SIGUSR1 at iteration 7``.
-EXIT_SIGNAL = LogLine("exiting program after receiving {signal} at iteration {iteration:d}")
-#: Rank 0, after a collective timed out: ``> hang: a collective of iteration 8 waited 6.0 s ...``.
-HANG = LogLine(
-    "> hang: a collective of iteration {iteration:d} waited {timeout_s:.1f} s "
-    "(--distributed-timeout-minutes); no answer from ranks [{ranks}]"
-)
 
 
 class ExitSignal:
@@ -100,4 +90,4 @@ def missing_ranks(timeout_s: float) -> list[int] | None:
     return [] if dist.get_rank() == 0 else None
 
 
-__all__ = ["EXIT_SIGNAL", "HANG", "SIGNALS", "ExitSignal", "is_timeout", "missing_ranks"]
+__all__ = ["SIGNALS", "ExitSignal", "is_timeout", "missing_ranks"]

@@ -25,13 +25,14 @@ from distlab.distributed import discover, init_distributed, print_on, shutdown
 from distlab.gpt import log
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
-from distlab.gpt.fault_handling import EXIT_SIGNAL, HANG, ExitSignal, is_timeout, missing_ranks
+from distlab.gpt.fault_handling import ExitSignal, is_timeout, missing_ranks
 from distlab.gpt.gpt_dataset import GPTDataset
 from distlab.gpt.interfaces import StepResult
 from distlab.gpt.memory import memory_report, out_of_memory_message
 from distlab.gpt.memory_estimate import MemorySetup, estimate, format_prediction
 from distlab.gpt.pipeline_timeline import bubble_summary, save_timeline
 from distlab.gpt.training import evaluate
+from distlab.logs.formats import EXIT_SIGNAL, HANG
 
 
 class OutOfMemory(RuntimeError):
@@ -177,7 +178,7 @@ def save(run: Run) -> None:
     scaler_state = run.scaler.state_dict() if run.scaler else None
     lines = run.checkpointer.save(run.model, run.optimizer, scaler_state, run.iteration, run.consumed)
     run.saved_at = run.iteration
-    # dist_checkpointing.SAVED, with blocking and total time (none while --async-save writes)
+    # formats.SAVED, with blocking and total time (none while --async-save writes)
     print_on(run.rank0, *lines)
 
 

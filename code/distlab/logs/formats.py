@@ -20,6 +20,9 @@ module needs only the standard library: the engine prints with it, the notebooks
     DEEPSPEED      > deepspeed: ZeRO stage z[, offload optimizer to cpu] | train_batch_size B = micro b x accumulation m ...
     ITERATION       iteration i/ n | consumed samples: ... | lm loss: ... | tokens per second: ... |
     VALIDATION      validation loss at LABEL | lm loss value: ... | lm loss PPL: ... |
+    SAVED            successfully saved checkpoint at iteration i to D in F format[ (async)] | blocking ... | total ...
+    EXIT_SIGNAL    exiting program after receiving SIGUSR1 at iteration i
+    HANG           > hang: a collective of iteration i waited T s (--distributed-timeout-minutes); no answer from ranks [r]
 """
 
 from __future__ import annotations
@@ -144,3 +147,18 @@ ITERATION = LogLine(
 )
 #: The body of Megatron's boxed validation report.
 VALIDATION = LogLine(" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | ")
+
+# --- checkpoints and faults (distlab.gpt.checkpointer, distlab.gpt.fault_handling) ---
+#: The save line of either format; ``blocking_ms == total_ms`` unless ``mode`` is "async".
+SAVED = LogLine(
+    "  successfully saved checkpoint at iteration {iteration:7d} to {folder} in {format} format",
+    Opt(" ({mode})"),
+    " | blocking {blocking_ms:.1f} ms | total {total_ms:.1f} ms",
+)
+#: After the save on --exit-signal, rank 0: ``exiting program after receiving SIGUSR1 at iteration 7``.
+EXIT_SIGNAL = LogLine("exiting program after receiving {signal} at iteration {iteration:d}")
+#: Rank 0, after a collective timed out: ``> hang: a collective of iteration 8 waited 6.0 s ...``.
+HANG = LogLine(
+    "> hang: a collective of iteration {iteration:d} waited {timeout_s:.1f} s "
+    "(--distributed-timeout-minutes); no answer from ranks [{ranks}]"
+)

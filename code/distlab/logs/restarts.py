@@ -12,7 +12,7 @@ attempt says about where it started (``distlab.gpt.checkpointing.resume_line``):
     > restart 1 of torchrun's --max-restarts 1: no checkpoint in D yet, ...      ... from scratch
 
 and about its end: ``exiting program after receiving SIGUSR1 at iteration 68``
-(``distlab.gpt.fault_handling.EXIT_SIGNAL``). Saves: ``distlab.gpt.dist_checkpointing.SAVED``.
+(``distlab.logs.formats.EXIT_SIGNAL``). Saves: ``distlab.logs.formats.SAVED``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from distlab.checks import FIXME, check
-from distlab.gpt.dist_checkpointing import SAVED
-from distlab.gpt.fault_handling import EXIT_SIGNAL, HANG
-from distlab.logs.formats import ITERATION
+from distlab.logs.formats import EXIT_SIGNAL, HANG, ITERATION, SAVED
 from distlab.logs.megatron import split_runs
 
 #: Where an attempt started: group "restart" (torchrun's count) and "iteration" (None: from scratch).
