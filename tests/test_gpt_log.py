@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.flops import model_flops_per_iteration
+from distlab.gpt.flops import measure_gemm_tflops, mfu, model_flops_per_iteration
 from distlab.gpt.log import ITERATION_RE, StepProfiler, iteration_line, validation_lines
 from distlab.gpt.optimizer import LRSchedule
 
@@ -76,6 +76,22 @@ def test_model_flops_formula():
     assert model_flops_per_iteration(args, 50304) == pytest.approx(f)
     args.recompute_activations, args.recompute_granularity = False, "full"  # every block twice forward
     assert model_flops_per_iteration(args, 50304) == pytest.approx(f * 4 / 3)
+
+
+def test_mfu_per_device_or_over_the_shared_machine():
+    assert mfu(300.0, 8, 989.0, shared_machine=False) == pytest.approx(300 / 989)  # each GPU its own peak
+    assert mfu(0.002, 4, 0.05, shared_machine=True) == pytest.approx(0.008 / 0.05)  # 4 ranks on one CPU
+
+
+def test_measured_gemm_rate_counts_two_n_cubed_per_product(monkeypatch):
+    """With a clock that advances 1 s per reading, one round of one product (after the start reading)
+    takes 1 s: the rate is exactly 2 n^3 FLOP/s."""
+    clock = iter(range(100))
+    monkeypatch.setattr("distlab.gpt.flops.time.perf_counter", lambda: float(next(clock)))
+    assert measure_gemm_tflops(torch.device("cpu"), size=8, rounds=1, min_time_s=0.5) == pytest.approx(
+        2 * 8**3 / 1e12
+    )
+    assert measure_gemm_tflops(torch.device("cpu"), size=64, min_time_s=0.01) > 0
 
 
 def _profiled_iterations(tmp_path, capsys, first_iteration, last_iteration, start=3, end=5):

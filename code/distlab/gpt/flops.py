@@ -9,9 +9,16 @@ forward of every block; selective recomputation redoes only the attention scores
 
     TFLOP/s per device = F / (time per iteration x world size) / 1e12
     MFU                = TFLOP/s per device / peak of the device (when known)
+
+A CPU has no published peak that its ranks could reach: :func:`measure_gemm_tflops` times large
+square matrix multiplications (``2 n^3`` FLOPs each) instead, the best a run's GEMMs could do on
+it. The local cluster's ranks share one machine, so there MFU is the job's total over the
+machine's measured peak (:func:`mfu`).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -44,3 +51,35 @@ def device_peak_tflops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def measure_gemm_tflops(
+    device: torch.device, size: int = 1024, rounds: int = 3, min_time_s: float = 0.2
+) -> float:
+    """Achieved TFLOP/s of ``(size x size) @ (size x size)`` matmuls on ``device`` (fp32 on a CPU,
+    bf16 on a GPU, as the runs compute), the best of ``rounds`` timed rounds of at least
+    ``min_time_s`` each, after one warm-up product. On a CPU it uses torch's current thread count."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    a @ b  # noqa: B018  (warm-up: kernels and thread pool)
+    best = 0.0
+    for _ in range(rounds):
+        count, start = 0, time.perf_counter()
+        while True:
+            a @ b  # noqa: B018
+            count += 1
+            sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time_s:
+                break
+        best = max(best, 2.0 * size**3 * count / elapsed / 1e12)
+    return best
+
+
+def mfu(tflops_per_device: float, world_size: int, peak_tflops: float, shared_machine: bool) -> float:
+    """Model FLOPs utilisation in [0, 1]: each device's TFLOP/s over its peak; where all ranks share
+    one machine (the local cluster), the job's total ``tflops_per_device x world_size`` over the
+    machine's peak."""
+    achieved = tflops_per_device * world_size if shared_machine else tflops_per_device
+    return achieved / peak_tflops

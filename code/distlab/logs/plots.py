@@ -78,3 +78,31 @@ def memory_and_time(
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     return fig
+
+
+#: Published MFU figures to compare a run with (GPU runs; see SYLLABUS's notebook 08 references).
+MFU_REFERENCES = {
+    "torchtitan, Llama 3.1 8B, 8 H100 (eager..compiled)": (0.33, 0.39),
+    "picotron, SmolLM-1.7B, 8 H100": (0.50, 0.50),
+    "achievable bf16 GEMM on H100 (795 of 989 TFLOP/s)": (0.80, 0.80),
+}
+
+
+def plot_mfu(mfus: Mapping[str, float], peak_note: str):
+    """One bar per run (MFU in percent), the published figures as horizontal lines or bands."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    bars = ax.bar(list(mfus), [100 * v for v in mfus.values()], color="tab:blue")
+    ax.bar_label(bars, fmt="%.1f%%", fontsize=8)
+    colors = iter(("tab:orange", "tab:green", "tab:gray"))
+    for label, (low, high) in MFU_REFERENCES.items():
+        color = next(colors)
+        if low == high:
+            ax.axhline(100 * low, color=color, ls="--", lw=1, label=label)
+        else:
+            ax.axhspan(100 * low, 100 * high, color=color, alpha=0.25, label=label)
+    ax.set_ylabel("MFU (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"model FLOPs utilisation against {peak_note}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
