@@ -20,6 +20,7 @@ module needs only the standard library: the engine prints with it, the notebooks
     DEEPSPEED      > deepspeed: ZeRO stage z[, offload optimizer to cpu] | train_batch_size B = micro b x accumulation m ...
     ITERATION       iteration i/ n | consumed samples: ... | lm loss: ... | tokens per second: ... |
     VALIDATION      validation loss at LABEL | lm loss value: ... | lm loss PPL: ... |
+    MOE             [moe] iteration i | layer l | load_balancing_loss: ... | dropped tokens: d | tokens per expert: c0 c1 ... |
 """
 
 from __future__ import annotations
@@ -144,3 +145,15 @@ ITERATION = LogLine(
 )
 #: The body of Megatron's boxed validation report.
 VALIDATION = LogLine(" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | ")
+#: One MoE layer's routing in a logged iteration (all micro-batches and data-parallel ranks):
+#: Megatron's load_balancing_loss (E sum_i f_i P_i, without its coefficient; 1 when balanced),
+#: the (token, expert) pairs over capacity, and ``counts``: tokens per expert, space-separated.
+MOE = LogLine(
+    " [moe] iteration {it:d} | layer {layer:d} | load_balancing_loss: {aux:.6f} |"
+    " dropped tokens: {dropped:d} | tokens per expert: {counts} |"
+)
+
+
+def tokens_per_expert(text: str) -> list[dict]:
+    """Every :data:`MOE` line of a log, with ``counts`` as a list of ints."""
+    return [{**f, "counts": [int(c) for c in f["counts"].split()]} for f in MOE.parse(text)]
