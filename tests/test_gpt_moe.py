@@ -16,6 +16,7 @@ import torch
 from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
 from distlab.gpt.expert_parallel import combine, dispatch
 from distlab.gpt.layout import Layout
+from distlab.gpt.memory_estimate import MemorySetup, stage_parameters
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.moe import MoEConfig, attach_aux_loss, load_balancing_loss, moe_layers, route, take_stats
 from distlab.gpt.optimizer import build_optimizer
@@ -206,6 +207,25 @@ def test_expert_parallel_over_gloo() -> None:
     """One spawn of 4 gloo ranks (spawning costs seconds): the dispatch/combine round trip with
     uneven splits, then the MoE GPT with ep = 2 and ep = 4 against one process."""
     run_gloo(_expert_parallel, 4, timeout_s=90)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_memory_estimate_counts_a_ranks_experts(ep: int) -> None:
+    """The estimator's parameters per rank equal the model's on each rank of dp = 4: E / ep experts."""
+    moe = MoEConfig(num_experts=8, topk=2)
+    cfg = GPTConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=V, max_position_embeddings=T, moe=moe
+    )
+    setup = MemorySetup(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=T, vocab_size=V,
+                        micro_batch_size=1, dp=4, num_experts=8, ep=ep)  # fmt: skip
+    dense_mlp = 8 * 16 * 16 + 5 * 16
+    for rank in range(4):  # no process group needed: the groups stay None
+        model = GPTModel(cfg, ParallelState(Layout(4, ep=ep), rank=rank))
+        assert sum(p.numel() for p in model.parameters()) == stage_parameters(setup)
+        assert len(model.layers["0"].mlp.experts) == 8 // ep
+    assert stage_parameters(setup) - stage_parameters(MemorySetup(**{**setup.__dict__, "ep": 8})) == (
+        2 * (8 // ep - 1) * dense_mlp
+    )
 
 
 # --- refusals, log line --------------------------------------------------------------------------
