@@ -47,7 +47,8 @@ def plot_tokens_per_expert(logs: Mapping[str, str], layer: int = 0):
         ax.set_xlabel("iteration")
         ax.set_ylim(0, counts.sum(axis=1).max())
     axes[0].set_ylabel(f"layer {layer}: tokens (stacked)")
-    axes[0].legend(fontsize=6, loc="lower left", ncol=2)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=7)
     last = axes[-1]
     for label, text in logs.items():
         its, counts, _ = expert_load(text, layer)
@@ -56,5 +57,5 @@ def plot_tokens_per_expert(logs: Mapping[str, str], layer: int = 0):
     last.set_title("imbalance: max / mean tokens per expert", fontsize=9)
     last.set_xlabel("iteration")
     last.legend(fontsize=7)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
