@@ -9,6 +9,7 @@ gradient norms (1e-6) and the same tokens per expert; and the refusals, named be
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.moe import MoEConfig, attach_aux_loss, load_balancing_loss, moe_layers, route, take_stats
 from distlab.gpt.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.pretrain import log_moe
 from distlab.gpt.training import LocalBackend, train_step
 from distlab.logs.formats import MOE, tokens_per_expert
 from tests.conftest import run_gloo
@@ -247,6 +249,7 @@ def _refusal(flags: str, world: int) -> str:
         ("--num-experts 8 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall", 2,
          ["expert-model-parallel size 4", "does not divide data-parallel size 2"]),
         ("--num-experts 4 --tensor-model-parallel-size 2", 2, ["--tensor-model-parallel-size 2", "tp = pp = 1"]),
+        ("--num-experts 4 --pipeline-model-parallel-size 2", 2, ["--pipeline-model-parallel-size 2", "tp = pp = 1"]),
         ("--num-experts 4 --expert-model-parallel-size 2", 2, ["add --moe-token-dispatcher-type alltoall"]),
         ("--expert-model-parallel-size 2", 2, ["--expert-model-parallel-size 2 needs --num-experts"]),
         ("--num-experts 4 --moe-expert-capacity-factor 0", 1, ["--moe-expert-capacity-factor 0"]),
@@ -256,6 +259,26 @@ def test_refusals_name_the_values(flags: str, world: int, words: list[str]) -> N
     message = _refusal(flags, world)
     for word in words:
         assert word in message, message
+
+
+def test_the_driver_logs_each_layer_on_log_iterations(capsys) -> None:
+    """``pretrain.log_moe``: one [moe] line per layer when due, counts of that iteration only."""
+    moe = MoEConfig(num_experts=4, topk=2)
+    cfg = GPTConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=V, max_position_embeddings=T, moe=moe
+    )
+    state = ParallelState(Layout(1), rank=0)
+    run = SimpleNamespace(model=GPTModel(cfg, state), state=state, iteration=5, last_rank=True,
+                          tlog=SimpleNamespace(history={}))  # fmt: skip
+    tokens = torch.randint(0, V, (2, T))
+    run.model(tokens, tokens).mean().backward()
+    log_moe(run, due=False)  # not a log iteration: nothing printed, the counters restart
+    run.model(tokens, tokens).mean().backward()
+    log_moe(run, due=True)
+    rows = tokens_per_expert(capsys.readouterr().out)
+    assert [(r["it"], r["layer"]) for r in rows] == [(5, 0), (5, 1)]
+    assert all(sum(r["counts"]) == 2 * 2 * T and r["dropped"] == 0 for r in rows)  # one forward's pairs
+    assert run.tlog.history["moe"][0]["layers"][1]["tokens_per_expert"] == rows[1]["counts"]
 
 
 def test_moe_line_round_trip() -> None:
