@@ -118,6 +118,19 @@ def test_capacity_drops_the_lowest_probabilities() -> None:
     assert dropless == 0
 
 
+def test_expert_groups_cut_each_data_parallel_group() -> None:
+    """ep blocks of consecutive dp ranks hold all experts once; edp groups hold the same experts."""
+    layout = Layout(8, tp=2, ep=2)  # dp 4: the layout docstring's example
+    assert layout.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.ep_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert layout.edp_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    staged = Layout(8, pp=2, ep=4)  # dp 4 on each stage; experts never cross stages
+    assert staged.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]] and staged.edp_groups() == [
+        [r] for r in range(8)
+    ]
+    assert ParallelState(layout, rank=6).ep_rank == 1 and ParallelState(layout, rank=4).ep_rank == 0
+
+
 # --- distributed: dispatch/combine, whole-model equivalence ------------------------------------
 def _round_trip(ctx) -> None:
     """ep = 4 (world 4): rank r has 3 + 2r tokens, each routed to 2 of 8 experts; identity experts
