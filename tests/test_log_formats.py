@@ -18,6 +18,7 @@ from distlab.logs.formats import (
     DEEPSPEED,
     ITERATION,
     MEMORY,
+    MOE,
     PARAMETERS,
     PREDICTION,
     RANK_COORDS,
@@ -127,6 +128,12 @@ REAL = [  # (definition, a line as the engine prints it, its fields)
         VALIDATION_TEXT,
         {"label": "the end of training for val data", "loss": 5.4321, "ppl": 228.6288},
     ),
+    (
+        MOE,
+        " [moe] iteration 2 | layer 0 | load_balancing_loss: 1.011681 | dropped tokens: 0 | "
+        "tokens per expert: 66 34 84 72 |",
+        {"it": 2, "layer": 0, "aux": 1.011681, "dropped": 0, "counts": "66 34 84 72"},
+    ),
 ]
 # fmt: on
 
@@ -156,6 +163,7 @@ ROUND_TRIPS = [  # chosen values, exact at the printed precision; widths overflo
     (ITERATION, {"it": 7, "total": 10, "samples": 14, "ms": 3.5, "lr": 0.0, "gbs": 2, "loss": 2.5e-3,
                  "scale": 1.0, "skipped": 1, "nan": 0}),
     (VALIDATION, {"label": "iteration 10 | val", "loss": 4.5, "ppl": 90.0}),
+    (MOE, {"it": 1000000, "layer": 95, "aux": 7.875, "dropped": 123456, "counts": " ".join(["4096"] * 64)}),
 ]
 # fmt: on
 

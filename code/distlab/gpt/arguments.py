@@ -21,6 +21,7 @@ from distlab.distributed import pick_backend
 from distlab.gpt import deepspeed_config
 from distlab.gpt.fault_handling import SIGNALS
 from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
+from distlab.gpt.moe import moe_errors
 from distlab.gpt.recompute import granularity_of, recompute_errors
 
 
@@ -170,6 +171,30 @@ class PretrainArgs:
     pipeline_model_parallel_size: int = _f(1, "pipeline stages")
     pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
     pipeline_timeline: str = _f(None, "pp > 1: write the last step's F/B times per stage as JSON")
+    # --- mixture of experts (Megatron-LM's --num-experts and --moe-*) ---
+    num_experts: int = _f(
+        None, "experts E per MoE layer: every block's MLP becomes a router and E experts (None: dense)"
+    )
+    expert_model_parallel_size: int = _f(
+        1,
+        "ep: the data-parallel ranks over which each layer's experts are split (E / ep per rank); divides dp",
+    )
+    moe_router_topk: int = _f(2, "k: experts per token (softmax over the k largest router logits)")
+    moe_aux_loss_coeff: float = _f(
+        0.0,
+        "weight of the Switch/GShard load-balancing loss E sum_i f_i P_i added to the lm loss (1e-2 is a start)",
+    )
+    moe_expert_capacity_factor: float = _f(
+        None,
+        "c: each expert keeps at most ceil(k N / E x c) of a micro-batch's N tokens (those of highest router "
+        "probability) and drops the rest; None (or negative): dropless",
+    )
+    moe_token_dispatcher_type: str = _f(
+        "allgather",
+        "how tokens reach experts on other ranks: alltoall (all_to_all_single of uneven splits, the one this "
+        "engine implements; needed when --expert-model-parallel-size > 1); allgather is Megatron's default",
+        choices=["allgather", "alltoall"],
+    )
     distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
     distributed_timeout_minutes: float = _f(5.0, "collectives fail after waiting this long")
     local_rank: int = _f(None, "set by the legacy torch.distributed.launch; ignored (LOCAL_RANK wins)")
@@ -285,6 +310,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_torch_fsdp2_errors(args, layout),
         *_ckpt_format_errors(args, layout),
         *_recompute_errors(args, layout),
+        *moe_errors(args, layout),
     ]
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))
@@ -309,10 +335,16 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
         if args.global_batch_size is None:
             raise ValueError("--rampup-batch-size needs --global-batch-size: the size the ramp ends at")
         schedule = rampup_schedule(*args.rampup_batch_size, args.global_batch_size)
+    if args.expert_model_parallel_size > 1 and args.num_experts is None:
+        raise ValueError(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size} needs --num-experts: "
+            f"expert parallelism splits the experts of a mixture-of-experts MLP"
+        )
     return Layout(
         world_size,
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         batch_schedule=schedule,

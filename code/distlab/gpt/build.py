@@ -37,6 +37,7 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.loss_scaler import DynamicLossScaler
 from distlab.gpt.memory import PeakMeter, cap_device_memory
 from distlab.gpt.model import GPTConfig, GPTModel
+from distlab.gpt.moe import MoEConfig
 from distlab.gpt.optimizer import LRSchedule, build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel import PipelineForwardBackward, describe
@@ -134,6 +135,8 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     )
     if layout.batch_schedule:
         print_on(rank0, ramp_line(layout))
+    moe = moe_config(args)
+    print_on(rank0 and moe is not None, moe and moe.describe(layout.ep))
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
     vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
     print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab))
@@ -238,6 +241,18 @@ def _build_datasets(args: PretrainArgs, rank0: bool) -> list[GPTDataset | None]:
     return datasets
 
 
+def moe_config(args: PretrainArgs) -> MoEConfig | None:
+    """``--num-experts`` and the ``--moe-*`` flags; None for dense MLPs."""
+    if args.num_experts is None:
+        return None
+    return MoEConfig(
+        num_experts=args.num_experts,
+        topk=args.moe_router_topk,
+        aux_loss_coeff=args.moe_aux_loss_coeff,
+        capacity_factor=args.moe_expert_capacity_factor,
+    )
+
+
 def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
     """This rank's stage and tensor-parallel shard of the GPT; prints its parameter count."""
     torch.manual_seed(args.seed + 100 * state.pp_rank)  # dropout; the weights come from init_parameters
@@ -256,6 +271,7 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
         recompute_num_layers=args.recompute_num_layers,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        moe=moe_config(args),
     )
     model = GPTModel(cfg, state).to(device)
     print_on(

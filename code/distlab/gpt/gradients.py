@@ -9,9 +9,14 @@ gradient of its share of the loss, ``sum_k d(loss_k x S / m)`` (``S`` the fp16 l
 2. data parallel: ``g = (1 / dp) sum_r g_r``, one flat all-reduce over ``state.dp_group``, after
    the whole schedule (as Megatron's ``finalize_model_grads``; DDP's hook-driven all-reduce would
    need one "last" forward, which 1F1B's interleaving does not have);
+   expert parameters (``p.expert_parallel``, ep > 1) instead over ``state.edp_group``, the
+   ``dp / ep`` ranks that hold the same experts, still divided by dp: each rank's expert
+   gradient already sums the tokens its ep group's ranks sent it, so the sum over the
+   expert-data-parallel group covers all dp ranks' tokens once;
 3. fp16: divide by ``S`` and look for inf / nan on any rank (the step is then skipped);
 4. global norm ``||g|| = sqrt(sum_p ||g_p||^2)`` over the model-parallel ranks, each parameter
-   counted once (a replicated one on tp rank 0, E's copy on the last stage not at all);
+   counted once (a replicated one on tp rank 0, E's copy on the last stage not at all, each
+   expert on the ep rank that holds it);
 5. clipping: every gradient times ``min(1, clip / ||g||)``.
 """
 
@@ -32,17 +37,33 @@ from distlab.gpt.parallel_state import ParallelState
 def reduce_gradients(
     params: Iterable[nn.Parameter], tied_weight: torch.Tensor | None, state: ParallelState
 ) -> None:
-    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp."""
+    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp (experts:
+    sum over the expert-data-parallel group, divide by dp)."""
     if tied_weight is not None and state.embedding_group is not None:
         if tied_weight.grad is None:
             tied_weight.grad = torch.zeros_like(tied_weight)
         dist.all_reduce(tied_weight.grad, group=state.embedding_group)
-    grads = [p.grad for p in params if p.grad is not None]
-    if state.dp == 1 or not grads:
+    params = [p for p in params if p.grad is not None]
+    experts = [p.grad for p in params if state.ep > 1 and _is_expert(p)]
+    dense = [p.grad for p in params if not (state.ep > 1 and _is_expert(p))]
+    _all_reduce_mean(dense, state.dp_group if state.dp > 1 else None, state.dp)
+    if experts:
+        edp = state.layout.expert_data_size // state.ep
+        _all_reduce_mean(experts, state.edp_group if edp > 1 else None, state.layout.expert_data_size)
+
+
+def _is_expert(p: nn.Parameter) -> bool:
+    return getattr(p, "expert_parallel", False)
+
+
+def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
+    """``g = (1 / divisor) sum_group g``, as one flat all-reduce (no group: the division alone)."""
+    if not grads or (group is None and divisor == 1):
         return
     flat = torch.cat([g.reshape(-1) for g in grads])  # one message instead of one per tensor
-    dist.all_reduce(flat, group=state.dp_group)
-    flat /= state.dp
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat /= divisor
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -53,7 +74,8 @@ def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> to
     """Step 4: global L2 norm of the gradients (fp32 scalar), counted once per distinct parameter."""
     tp_rank = state.tp_rank if state is not None else 0
     pp = state.pp if state is not None else 1
-    grads = []
+    ep = state.ep if state is not None else 1
+    grads, experts = [], []
     for p in params:
         if p.grad is None:
             continue
@@ -61,16 +83,23 @@ def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> to
             continue
         if getattr(p, "shared_embedding", False) and pp > 1:
             continue
-        grads.append(p.grad.detach())
-    if grads:
-        total = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()  # sum_p ||g_p||^2
-    else:
-        total = torch.zeros((), device=_collective_device())
+        (experts if ep > 1 and _is_expert(p) else grads).append(p.grad.detach())
+    total = _square_sum(grads)  # sum_p ||g_p||^2
+    if ep > 1:  # each ep rank holds different experts: their squares add up over the group
+        expert_total = _square_sum(experts)
+        dist.all_reduce(expert_total, group=state.ep_group)
+        total = total + expert_total
     if state is not None:
         for group, size in ((state.tp_group, state.tp), (state.pp_group, state.pp)):
             if size > 1:
                 dist.all_reduce(total, group=group)
     return total.sqrt()
+
+
+def _square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=_collective_device())
+    return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
 
 
 def _collective_device() -> torch.device:

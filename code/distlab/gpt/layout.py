@@ -21,6 +21,17 @@ must obey the same rule. e.g. ``16 = 2 x 4 x 2``.
 (process groups, data, schedule, memory estimate, DeepSpeed's config) reads it, none recomputes
 it. A new dimension is one entry of :data:`ORDER` and :data:`SIZE_NAMES` and one size field:
 the world-size rule, coordinates, groups and messages follow from them.
+
+Experts (``ep``, Megatron's ``--expert-model-parallel-size``) are a second layout of the same
+ranks, not a factor of the world: the ``dp`` ranks of one dense data-parallel group (dp x cp
+where context parallelism exists: :data:`EXPERT_DATA_DIMS`) are cut into consecutive blocks of
+``ep`` ranks, each block holding all the experts once (``E / ep`` each); ranks at the same place
+of different blocks hold the same experts and form the expert-data-parallel group (``dp / ep``
+ranks) over which expert gradients are averaged. World 8, tp 2, dp 4, ep 2::
+
+    dp groups  : [0,2,4,6] [1,3,5,7]
+    ep groups  : [0,2] [4,6] [1,3] [5,7]        tokens cross these with all-to-all
+    edp groups : [0,4] [2,6] [1,5] [3,7]        expert gradients are averaged over these
 """
 
 from __future__ import annotations
@@ -36,7 +47,11 @@ SIZE_NAMES = {
     "tp": ("tensor-model-parallel size", "--tensor-model-parallel-size"),
     "dp": ("data-parallel size", None),
     "pp": ("pipeline-model-parallel size", "--pipeline-model-parallel-size"),
+    "ep": ("expert-model-parallel size", "--expert-model-parallel-size"),
 }
+#: The dimensions whose ranks hold the same dense weights and different tokens: ``ep`` splits their
+#: product (Megatron: ep divides dp x cp). A ``cp`` entry of :data:`ORDER` joins them by itself.
+EXPERT_DATA_DIMS = tuple(d for d in ORDER if d in ("cp", "dp"))
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,8 @@ class Layout:
     world_size: int
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert-model-parallel size: ranks of a dp (x cp) group that share out the experts."""
     micro_batch_size: int = 1
     global_batch_size: int | None = None
     """The final global batch B; None: ``b x dp`` (one micro-batch per step)."""
@@ -64,6 +81,7 @@ class Layout:
                 f"world size {self.world_size} is not divisible by {product} = {model_parallel}: "
                 f"launch a multiple of {model_parallel} processes or change the sizes"
             )
+        self._check_experts()
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.dp)
         self._check_batch()
@@ -90,14 +108,46 @@ class Layout:
         """The global rank at ``coords`` (in :data:`ORDER`)."""
         return sum(c * self._stride(d) for c, d in zip(coords, ORDER, strict=True))
 
-    def groups(self, dim: str) -> list[list[int]]:
-        """Every group of ``dim``: the ranks that differ only in that coordinate."""
-        others = [d for d in reversed(ORDER) if d != dim]  # slowest first
+    def groups(self, *dims: str) -> list[list[int]]:
+        """Every group of ``dims``: the ranks that differ only in those coordinates (the first of
+        ``dims`` varying fastest within a group)."""
+        others = [d for d in reversed(ORDER) if d not in dims]  # slowest first
         out = []
         for fixed in itertools.product(*(range(self.size(d)) for d in others)):
             at = dict(zip(others, fixed, strict=True))
-            out.append([self.rank_of(*(at.get(d, i) for d in ORDER)) for i in range(self.size(dim))])
+            group = []
+            for inner in itertools.product(*(range(self.size(d)) for d in reversed(dims))):
+                at.update(zip(reversed(dims), inner, strict=True))
+                group.append(self.rank_of(*(at[d] for d in ORDER)))
+            out.append(group)
         return out
+
+    # --- experts -------------------------------------------------------------------------
+    @property
+    def expert_data_size(self) -> int:
+        """dp (x cp): the ranks ``ep`` splits (:data:`EXPERT_DATA_DIMS`)."""
+        return math.prod(self.size(d) for d in EXPERT_DATA_DIMS)
+
+    def ep_groups(self) -> list[list[int]]:
+        """Consecutive blocks of ``ep`` ranks of each dp (x cp) group: each holds every expert once."""
+        return [g[i : i + self.ep] for g in self.groups(*EXPERT_DATA_DIMS) for i in range(0, len(g), self.ep)]
+
+    def edp_groups(self) -> list[list[int]]:
+        """The ranks holding the same experts (same place in their ep block): ``dp x cp / ep`` each."""
+        return [g[j :: self.ep] for g in self.groups(*EXPERT_DATA_DIMS) for j in range(self.ep)]
+
+    def _check_experts(self) -> None:
+        name, flag = SIZE_NAMES["ep"]
+        if self.ep < 1:
+            raise ValueError(f"{flag} {self.ep} must be >= 1")
+        if self.expert_data_size % self.ep:
+            sizes = " x ".join(f"{SIZE_NAMES[d][0]} {self.size(d)}" for d in EXPERT_DATA_DIMS)
+            raise ValueError(
+                f"{name} {self.ep} ({flag}) does not divide {sizes} = {self.expert_data_size} "
+                f"(world size {self.world_size} over the model-parallel sizes): the experts are shared "
+                f"out within the data-parallel ranks; choose {flag} among the divisors of "
+                f"{self.expert_data_size} or launch more processes"
+            )
 
     def validate_model(self, *, num_layers: int, num_attention_heads: int, hidden_size: int) -> None:
         """Heads and hidden size must split over ``tp``, layers over ``pp``."""

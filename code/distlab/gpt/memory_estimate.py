@@ -51,6 +51,11 @@ against Korthikanti's sbh (34 + 5as/h), which has half residuals, dropout masks 
 The loss head keeps the fp32 log-softmax (b s V) and needs two more b s V fp32 tensors in its
 backward, which ends before any block is rebuilt: the peak adds the larger of the two.
 
+**Mixture of experts** (``--num-experts E``, tp = pp = 1): each block's MLP (8 h^2 + 5 h) becomes
+a router (E h) and this rank's E / ep experts, (E / ep)(8 h^2 + 5 h): expert parameters, their
+gradients and optimizer state divide by ep. Activations are counted as the dense MLP's (the k
+routed copies of each token are not in the estimate).
+
 **Pipelines**: a stage holds L / pp layers; the first stage keeps the activations of
 min(pp, M) micro-batches under 1F1B, of all M under GPipe.
 """
@@ -118,6 +123,10 @@ class MemorySetup:
     """PyTorch FSDP2 (``--use-torch-fsdp2``): fp32 states sharded over dp as ZeRO-3, plus the
     parameters gathered for compute (``gathered_bytes``)."""
     fsdp2_reshard_after_forward: bool = True
+    num_experts: int | None = None
+    """E, experts per MoE layer (None: dense MLPs)."""
+    ep: int = 1
+    """Expert-model-parallel size: each rank holds E / ep experts per layer."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", *_HALF):
@@ -171,6 +180,8 @@ class MemorySetup:
             or (args.use_torch_fsdp2 and args.torch_fsdp2_cpu_offload),
             fsdp2=args.use_torch_fsdp2,
             fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
+            num_experts=args.num_experts,
+            ep=layout.ep,
         )
 
 
@@ -184,6 +195,8 @@ def stage_parameters(c: MemorySetup) -> int:
     h = c.hidden_size
     split = 12 * h * h + 7 * h  # qkv, proj, fc1, fc2 weights; qkv (3h) and fc1 (4h) biases
     layer = split // c.tp + 6 * h  # + two LayerNorms (4h), proj and fc2 biases (2h), replicated
+    if c.num_experts is not None:  # the MLP's 8h^2 + 5h -> router E h + E / ep experts (tp = 1)
+        layer += c.num_experts * h + (c.num_experts // c.ep - 1) * (8 * h * h + 5 * h)
     n = (c.num_layers // c.pp) * layer + c.vocab_size * h // c.tp + c.seq_length * h
     return n + (2 * h if c.pp == 1 else 0)
 

@@ -20,6 +20,11 @@ the final LayerNorm + output head only if it is the last. A last stage that is n
 first holds its own copy of E (``output_weight``); the initialiser makes it equal to the first
 stage's E (same name, same seed), and ``gradients.py`` sums the two gradients, so they stay equal.
 
+Mixture of experts (``moe.py``, ``expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
+becomes a router and E experts, split over the ep ranks of the layout's expert groups; the last
+stage attaches ``coeff sum_layers l_aux`` to the per-token loss for backward (the returned values
+stay the lm loss).
+
 Memory (``recompute.py``): ``--attention-backend`` picks the core attention, PyTorch's fused
 ``scaled_dot_product_attention`` or :func:`unfused_attention` (which stores the (b, n, T, T)
 probabilities); ``--recompute-granularity selective`` checkpoints the core attention of every
@@ -42,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from distlab.gpt.moe import MoEConfig, MoELayer, attach_aux_loss
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.recompute import ATTENTION_BACKENDS, EXPLICIT_BACKENDS, checkpoint_groups, recompute_errors
 from distlab.gpt.tensor_parallel import (
@@ -85,6 +91,8 @@ class GPTConfig:
     """auto, flash, fused: ``F.scaled_dot_product_attention``; unfused, local: :func:`unfused_attention`."""
     seed: int = 1234
     layernorm_epsilon: float = 1e-5
+    moe: MoEConfig | None = None
+    """None: dense MLPs; else every block's MLP is a mixture of experts (tp = pp = 1)."""
 
     @property
     def ffn(self) -> int:
@@ -162,12 +170,17 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block: per direction, one f and one g around attention and
     around the MLP, so 2 all-reduces forward and 2 backward when tp > 1."""
 
-    def __init__(self, cfg: GPTConfig, group, tp: int) -> None:
+    def __init__(self, cfg: GPTConfig, group, tp: int, state: ParallelState | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.attn = SelfAttention(cfg, group, tp)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.mlp = MLP(cfg, group)
+        if cfg.moe is None:
+            self.mlp = MLP(cfg, group)
+        else:  # the experts of this rank's place in its expert-parallel group
+            ep, ep_rank = (state.ep, state.ep_rank) if state is not None else (1, 0)
+            ep_group = state.ep_group if ep > 1 else None
+            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, ep_group=ep_group, ep=ep, ep_rank=ep_rank)
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, T, H) -> (b, T, H)
@@ -200,7 +213,10 @@ class GPTModel(nn.Module):
         )
         first_layer = pp_rank * per_stage
         self.layers = nn.ModuleDict(
-            {str(i): Block(cfg, self.tp_group, tp) for i in range(first_layer, first_layer + per_stage)}
+            {
+                str(i): Block(cfg, self.tp_group, tp, state)
+                for i in range(first_layer, first_layer + per_stage)
+            }
         )
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
@@ -246,7 +262,10 @@ class GPTModel(nn.Module):
         logits = parallel_lm_logits(self.ln_f(h), self.output_embedding(), self.tp_group)  # (b, T, V/tp)
         if labels is None:
             return gather_from_tensor_parallel(logits, self.tp_group)  # (b, T, V)
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
+        loss = vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
+        if self.cfg.moe is not None:
+            loss = attach_aux_loss(loss, self, self.cfg.moe.aux_loss_coeff)
+        return loss
 
 
 def _run_blocks(blocks: list[Block], h: torch.Tensor) -> torch.Tensor:

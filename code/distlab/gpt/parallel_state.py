@@ -25,6 +25,10 @@ class ParallelState:
     tp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    #: Expert parallelism: the ranks that share out the experts (all-to-all of tokens), and those
+    #: holding the same experts (their gradients' all-reduce); built only when ep > 1.
+    ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    edp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     #: First and last pipeline stage of this rank's pipeline (they share the tied embedding).
     embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
@@ -52,7 +56,22 @@ class ParallelState:
             group = dist.new_group(ends, timeout=timeout)
             if state.rank in ends:
                 state.embedding_group = group
+        if layout.ep > 1:
+            for name, groups in (("ep_group", layout.ep_groups()), ("edp_group", layout.edp_groups())):
+                for ranks in groups:
+                    group = dist.new_group(ranks, timeout=timeout)
+                    if state.rank in ranks:
+                        setattr(state, name, group)
         return state
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its ep group: it holds experts ``[ep_rank E / ep, (ep_rank + 1) E / ep)``."""
+        return next(g.index(self.rank) for g in self.layout.ep_groups() if self.rank in g)
 
     @property
     def tp(self) -> int:

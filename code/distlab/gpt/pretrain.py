@@ -30,9 +30,10 @@ from distlab.gpt.gpt_dataset import GPTDataset
 from distlab.gpt.interfaces import StepResult
 from distlab.gpt.memory import memory_report, out_of_memory_message
 from distlab.gpt.memory_estimate import MemorySetup, estimate, format_prediction
+from distlab.gpt.moe import take_stats
 from distlab.gpt.pipeline_timeline import bubble_summary, save_timeline
 from distlab.gpt.training import evaluate
-from distlab.logs.formats import EXIT_SIGNAL, HANG
+from distlab.logs.formats import EXIT_SIGNAL, HANG, MOE
 
 
 class OutOfMemory(RuntimeError):
@@ -131,10 +132,31 @@ def log_iteration(
         global_batch_size=batch,
     )  # fmt: skip
     print_on(run.last_rank and line is not None, line)
+    if run.args.num_experts is not None:
+        log_moe(run, due=line is not None)
     timers = {"train-step": step_ms}
     run.tensorboard.training(
         run.iteration, run.consumed, **fields, iter_ms=iter_ms, timers=timers, global_batch_size=batch
     )
+
+
+def log_moe(run: Run, *, due: bool) -> None:
+    """Each MoE layer's tokens per expert and load-balancing loss of this iteration, summed over
+    the data-parallel ranks (one small all-reduce, on log iterations only), printed by the last
+    rank and kept in the history; the counters restart every iteration."""
+    group = run.state.dp_group if due and run.state.dp > 1 else None
+    layers = take_stats(run.model, group)
+    if not due:
+        return
+    run.tlog.history.setdefault("moe", []).append({"iteration": run.iteration, "layers": layers})
+    lines = [
+        MOE.format(
+            it=run.iteration, layer=i, aux=s["load_balancing_loss"], dropped=s["dropped"],
+            counts=" ".join(map(str, s["tokens_per_expert"])),
+        )
+        for i, s in enumerate(layers)
+    ]  # fmt: skip
+    print_on(run.last_rank, *lines)
 
 
 def maybe_evaluate(run: Run) -> None:

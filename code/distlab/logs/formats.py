@@ -23,6 +23,7 @@ module needs only the standard library: the engine prints with it, the notebooks
     SAVED            successfully saved checkpoint at iteration i to D in F format[ (async)] | blocking ... | total ...
     EXIT_SIGNAL    exiting program after receiving SIGUSR1 at iteration i
     HANG           > hang: a collective of iteration i waited T s (--distributed-timeout-minutes); no answer from ranks [r]
+    MOE             [moe] iteration i | layer l | load_balancing_loss: ... | dropped tokens: d | tokens per expert: c0 c1 ... |
 """
 
 from __future__ import annotations
@@ -147,6 +148,19 @@ ITERATION = LogLine(
 )
 #: The body of Megatron's boxed validation report.
 VALIDATION = LogLine(" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | ")
+#: One MoE layer's routing in a logged iteration (all micro-batches and data-parallel ranks):
+#: Megatron's load_balancing_loss (E sum_i f_i P_i, without its coefficient; 1 when balanced),
+#: the (token, expert) pairs over capacity, and ``counts``: tokens per expert, space-separated.
+MOE = LogLine(
+    " [moe] iteration {it:d} | layer {layer:d} | load_balancing_loss: {aux:.6f} |"
+    " dropped tokens: {dropped:d} | tokens per expert: {counts} |"
+)
+
+
+def tokens_per_expert(text: str) -> list[dict]:
+    """Every :data:`MOE` line of a log, with ``counts`` as a list of ints."""
+    return [{**f, "counts": [int(c) for c in f["counts"].split()]} for f in MOE.parse(text)]
+
 
 # --- checkpoints and faults (distlab.gpt.checkpointer, distlab.gpt.fault_handling) ---
 #: The save line of either format; ``blocking_ms == total_ms`` unless ``mode`` is "async".
