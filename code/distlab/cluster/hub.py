@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +46,8 @@ class Settings:
 
 
 def run_dir() -> Path:
-    return HUB / "run"
+    """The hub's state (``LAB_HUB_RUN`` overrides, for a test's hub beside a running one)."""
+    return Path(os.environ.get("LAB_HUB_RUN") or HUB / "run")
 
 
 def log_file() -> Path:
@@ -59,10 +62,19 @@ def ports(port: int) -> list[int]:
     return [port, port + 1, port + 2]
 
 
+def running_port() -> int | None:
+    """The public port of the hub running from :func:`run_dir`, if one runs."""
+    conf = run_dir() / "jupyterhub_config.py"
+    if not alive(pid_file(), "jupyterhub") or not conf.exists():
+        return None
+    found = re.search(r"^c\.JupyterHub\.port = (\d+)$", conf.read_text(), re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
 def check_ports(port: int) -> None:
-    if alive(pid_file(), "jupyterhub"):
-        return
-    busy = [q for q in ports(port) if port_busy(q)]
+    """Refuse ports that another program holds (the running hub's own are fine)."""
+    mine = ports(running_port() or 0)
+    busy = [q for q in ports(port) if q not in mine and port_busy(q)]
     if busy:
         raise ClusterError(
             f"port(s) {busy} in use by another program (the hub needs {port}, {port + 1} and {port + 2}; "
@@ -135,7 +147,7 @@ def start(s: Settings, timeout: float = 120) -> str:
     run_dir().chmod(0o700)
     conf = run_dir() / "jupyterhub_config.py"
     text = config(s)
-    if alive(pid_file(), "jupyterhub"):
+    if running_port() is not None:
         if conf.read_text() == text:
             return f"http://127.0.0.1:{s.port}/ (already running)"
         stop()  # a new class: the hub restarts on the new configuration
@@ -151,10 +163,18 @@ def start(s: Settings, timeout: float = 120) -> str:
             start_new_session=True,
             env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **s.passthrough},
         )
-    wait_for(
-        "JupyterHub", lambda: alive(pid_file(), "jupyterhub") and port_busy(s.port), timeout, log_file(), proc
-    )
-    return f"http://127.0.0.1:{s.port}/"
+    url = f"http://127.0.0.1:{s.port}/"
+    wait_for("JupyterHub", lambda: answers(url + "hub/api"), timeout, log_file(), proc)
+    return url
+
+
+def answers(url: str) -> bool:
+    """Whether the hub answers through its proxy (the proxy listens before it routes to the hub)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
 
 def stop(timeout: float = 60) -> str:
