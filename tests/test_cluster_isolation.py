@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from distlab import progress
-from distlab.cluster import ClusterPaths, daemons, users, workshop
+from distlab.cluster import daemons, users, workshop
 from tests import test_cluster_users as users_test
-from tests.test_cluster_users import free_base, slurm, state, wait_until
+from tests.test_cluster_users import private_cluster, slurm, state, wait_until
 
 shared, checkout = users_test.shared, users_test.checkout  # the same fixtures
 
@@ -29,15 +29,8 @@ SLEEP = ("sbatch", "--parsable", "--job-name=sleeper", "--output=/dev/null", "--
 
 @pytest.fixture(scope="module")
 def cluster(shared):
-    paths = ClusterPaths(root=shared / "cluster", port_base=free_base())
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LAB_CLUSTER_DIR", str(paths.root))
-        try:
-            workshop.enable_limits(paths)
-            daemons.start(paths)
-            yield paths
-        finally:
-            daemons.stop(paths)
+    with private_cluster(shared / "cluster", prepare=workshop.enable_limits) as paths:
+        yield paths
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from nbclient import NotebookClient
 
 from distlab import progress
 from distlab.checks import ExerciseError, check
-from distlab.cluster import ClusterPaths, daemons, hub, users, workshop
+from distlab.cluster import daemons, hub, users, workshop
 from distlab.cluster.process import ClusterError
 from distlab.distributed import free_port
 from tests import test_cluster_users as users_test
@@ -173,10 +173,9 @@ def class_on_hub(shared):
     for name in PLAN_NAMES:
         if users.lookup(name) is not None:
             pytest.skip(f"a user {name} exists already: not touching it")
-    paths = ClusterPaths(root=shared / "cluster", port_base=users_test.free_base())
     plan = workshop.Plan(2, prefix="hubtest", instructor="hubteach", port=free_port())
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LAB_CLUSTER_DIR", str(paths.root))
+    folder, limits = shared / "cluster", workshop.enable_limits
+    with users_test.private_cluster(folder, prepare=limits) as paths, pytest.MonkeyPatch.context() as mp:
         mp.setenv("LAB_HUB_RUN", str(shared / "hub"))
         try:
             report = workshop.start(plan, paths)
@@ -185,10 +184,9 @@ def class_on_hub(shared):
         finally:
             try:
                 workshop.stop(paths)
+            finally:
                 for name in PLAN_NAMES:
                     users.remove(name, paths)
-            finally:
-                daemons.stop(paths)
 
 
 def test_learners_log_in_and_work_as_themselves(class_on_hub):
