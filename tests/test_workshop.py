@@ -18,11 +18,11 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from distlab import progress
+from distlab import REPO_ROOT, progress
 from distlab.checks import ExerciseError, check
 from distlab.cluster import daemons, hub, users, workshop
 from distlab.cluster.process import ClusterError
-from distlab.distributed import free_port
+from tests import browser
 from tests import test_cluster_users as users_test
 
 shared = users_test.shared  # a folder of /tmp open to all
@@ -48,7 +48,7 @@ def test_a_port_in_use_is_refused():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(ClusterError, match=rf"port\(s\) \[{port}\] in use.*--port"):
+        with pytest.raises(ClusterError, match=rf"port\(s\) \[{port}[,\]].* in use.*--port"):
             hub.check_ports(port)
 
 
@@ -100,7 +100,8 @@ class HubUser:
         return self.http.request(method, f"{self.base}{path}", timeout=60, **kw)
 
     def spawn(self, timeout: float = 150) -> dict:
-        assert self.api("POST", f"/hub/api/users/{self.name}/server").status_code in (201, 202)
+        started = self.api("POST", f"/hub/api/users/{self.name}/server")
+        assert started.status_code in (201, 202) or "already running" in started.text, started.text
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             server = self.api("GET", f"/hub/api/users/{self.name}").json()["servers"].get("", {})
@@ -173,7 +174,9 @@ def class_on_hub(shared):
     for name in PLAN_NAMES:
         if users.lookup(name) is not None:
             pytest.skip(f"a user {name} exists already: not touching it")
-    plan = workshop.Plan(2, prefix="hubtest", instructor="hubteach", port=free_port())
+    plan = workshop.Plan(
+        2, prefix="hubtest", instructor="hubteach", port=users_test.free_base()
+    )  # 3 free ports
     folder, limits = shared / "cluster", workshop.enable_limits
     with users_test.private_cluster(folder, prepare=limits) as paths, pytest.MonkeyPatch.context() as mp:
         mp.setenv("LAB_HUB_RUN", str(shared / "hub"))
@@ -187,6 +190,18 @@ def class_on_hub(shared):
             finally:
                 for name in PLAN_NAMES:
                     users.remove(name, paths)
+
+
+@pytest.mark.skipif(
+    browser.CHROMIUM is None, reason="no chromium (Debian's package, which ./lab test installs)"
+)
+def test_a_learner_logs_in_with_a_browser_and_opens_notebook_00(class_on_hub):
+    plan, _, passwords = class_on_hub
+    shot = REPO_ROOT / "runs" / "workshop" / "learner-notebook00.png"
+    shot.unlink(missing_ok=True)
+    url = browser.log_in_and_open(f"http://127.0.0.1:{plan.port}", "hubtest02", passwords["hubtest02"], shot)
+    assert url.startswith(f"http://127.0.0.1:{plan.port}/user/hubtest02/lab"), url
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
 
 
 def test_learners_log_in_and_work_as_themselves(class_on_hub):
