@@ -68,6 +68,8 @@ def test_progress_view_is_built_from_real_checks(tmp_path, monkeypatch):
     (tmp_path / "someone.jsonl").write_text((tmp_path / f"{me}.jsonl").read_text())  # not theirs
     assert {r.user for r in progress.read(tmp_path)} == {me}
     notebook = nbformat.read(users.CHECKOUT / "instructor" / "progress.ipynb", as_version=4)
+    assert not [c for c in notebook.cells if c.get("outputs") or c.get("execution_count")], "committed clean"
+    assert set(notebook.metadata) <= {"kernelspec", "language_info"}
     NotebookClient(notebook, timeout=60, resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "".join(o.get("text", "") for c in notebook.cells for o in c.get("outputs", []))
     assert f"{me}   +  +  .   2/3" in text and "4 check results" in text

@@ -160,6 +160,13 @@ def heat_map(records: Iterable[Record], path: Path | None = None):
     return fig
 
 
+def learners() -> list[str]:
+    """The users of the Slurm account ``learners`` (every learner, with results or not)."""
+    cmd = ["sacctmgr", "-n", "-P", "show", "assoc", "where", "account=learners", "format=user"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    return sorted({u for u in out.stdout.split() if u}) if out.returncode == 0 else []
+
+
 def jobs(users: Iterable[str]) -> dict[str, list[str]]:
     """Each user's jobs in the queue: ``id name state``, from ``squeue`` (run by an instructor)."""
     names = sorted(set(users))
@@ -197,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lab progress: {e}: only root and the group {INSTRUCTORS_GROUP} may read the results")
         return 1
     print(text_table(records))
-    learners = table(records)[0]
+    seen = table(records)[0]
     print("\njobs in the queue:")
-    for user, queued in jobs(learners).items():
+    for user, queued in jobs([*seen, *learners()]).items():
         print(f"  {user}: {'; '.join(queued) if queued else 'none'}")
-    if args.plot and learners:
+    if args.plot and seen:
         heat_map(records, args.plot)
         print(f"heat map: {args.plot}")
     return 0
