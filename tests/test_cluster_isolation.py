@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import sys
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def test_learner_cannot_cancel_hold_or_change_anothers_job(cluster, people):
         ["scontrol", "suspend", job],
     ):
         out = slurm(cluster, two, *cmd)
-        assert out.returncode != 0 and out.stderr.strip(), (cmd, out)
+        assert out.returncode != 0 and re.search(users_test.REFUSED, out.stderr), (cmd, out)
     assert state(cluster, job) == "RUNNING"
     assert slurm(cluster, None, "squeue", "-h", "-j", job, "-o", "%l %p").stdout == limit
     assert slurm(cluster, one, "scancel", job).returncode == 0

@@ -39,6 +39,8 @@ def test_a_class_that_does_not_fit_is_refused_with_the_numbers():
     ):
         with pytest.raises(ClusterError, match=words):
             plan.check(23.5, 2)
+    with pytest.raises(ClusterError, match="a user root .* exists and was not made by the lab"):
+        workshop.refuse_others_accounts(workshop.Plan(1, prefix="nosuchlearner", instructor="root"))
     assert workshop.Plan(2).names == ["learner01", "learner02"]
     assert "2 learners: 10.8 GiB of RAM and 1 of 2 cores each" in workshop.Plan(2).check(23.5, 2)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import grp
 import os
+import pwd
 import secrets
 import subprocess
 import sys
@@ -163,12 +164,25 @@ def ensure_instructor(p: ClusterPaths, name: str, checkout: Path = users.CHECKOU
             ["usermod", "--append", "--groups", progress.INSTRUCTORS_GROUP, name], check=True, timeout=30
         )
     accounting.add_user(p, name, account=INSTRUCTORS_ACCOUNT)
-    run(["sacctmgr", "-i", "modify", "user", name, "set", "AdminLevel=Operator"], p, check=False)
+    level = run(["sacctmgr", "-n", "-P", "show", "user", name, "format=adminlevel"], p).strip()
+    if level != "Operator":
+        run(["sacctmgr", "-i", "modify", "user", name, "set", "AdminLevel=Operator"], p)
     return person
+
+
+def refuse_others_accounts(plan: Plan) -> None:
+    """An existing account that the lab did not make (another person's) is refused, never changed."""
+    for name in [*plan.names, plan.instructor]:
+        if (who := users.lookup(name)) is not None and pwd.getpwnam(name).pw_gecos != users.COMMENT:
+            raise ClusterError(
+                f"a user {name} (uid {who.uid}) exists and was not made by the lab: not touching it; "
+                f"choose other names with --prefix / --instructor"
+            )
 
 
 def ensure_accounts(p: ClusterPaths, plan: Plan, checkout: Path = users.CHECKOUT) -> dict[str, str | None]:
     """Every account of ``plan`` ready; {name: its new password, or None where it had one}."""
+    refuse_others_accounts(plan)
     learners = [users.ensure(name, p, checkout) for name in plan.names]
     apply_limits(p)
     people = [*learners, ensure_instructor(p, plan.instructor, checkout)]
@@ -176,8 +190,10 @@ def ensure_accounts(p: ClusterPaths, plan: Plan, checkout: Path = users.CHECKOUT
 
 
 def start(plan: Plan, p: ClusterPaths | None = None) -> str:
+    """Steps 1-4 of the module's docstring; what to tell the class (the new passwords once)."""
     p = p or local_paths()
     fits = plan.check(*machine())
+    refuse_others_accounts(plan)
     hub.check_ports(plan.port)
     if enable_limits(p) and daemons.is_up(p):  # slurmctld reads the new slurm.conf on restart
         print(daemons.restart_controller(p))
