@@ -10,6 +10,7 @@ that the workspaces are made from, wherever this checkout lies (CI's may be in a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,16 +55,24 @@ def shared():
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def cluster(shared):
-    paths = ClusterPaths(root=shared / "cluster", port_base=free_base())
+@contextlib.contextmanager
+def private_cluster(folder: Path, prepare: Callable[[ClusterPaths], object] = lambda paths: None):
+    """A cluster in ``folder`` on free ports (``prepare(paths)`` before it starts), stopped after."""
+    paths = ClusterPaths(root=folder, port_base=free_base())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LAB_CLUSTER_DIR", str(paths.root))
         try:
+            prepare(paths)
             daemons.start(paths)
             yield paths
         finally:
             daemons.stop(paths)
+
+
+@pytest.fixture(scope="module")
+def cluster(shared):
+    with private_cluster(shared / "cluster") as paths:
+        yield paths
 
 
 @pytest.fixture(scope="module")

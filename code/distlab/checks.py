@@ -13,6 +13,8 @@ The contract of :func:`check`:
   so that a notebook executed top to bottom (by CI, or by a learner skipping ahead) does not fail;
 * the answer is wrong: raises :class:`ExerciseError` with the answer and the hint (and the expected
   value only with ``reveal=True``: a check should not give the answer away).
+
+In a workshop, each outcome is also recorded for the instructor (:mod:`distlab.progress`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from distlab import progress
 
 FIXME = "FIXME"
 """The placeholder learners replace; any string containing it counts as untouched."""
@@ -78,8 +82,10 @@ def check(
         raise ValueError("check() takes exactly one of expected= or ok=")
     if untouched(answer):
         print(f"[not yet] {name}: replace FIXME with your answer, then run this cell again")
+        progress.record(name, "not yet")
         return False
     right = ok(answer) if ok is not None else _close(answer, expected, rel)
+    progress.record(name, "ok" if right else "wrong")
     if not right:
         want = f"; expected {expected!r}" if reveal and ok is None else ""
         raise ExerciseError(f"{name}: {answer!r} is not right{want}. {hint}".rstrip())

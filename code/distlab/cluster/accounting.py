@@ -74,6 +74,7 @@ StoragePort={p.db_port}
 StorageUser=slurm
 StoragePass={password}
 StorageLoc={DATABASE}
+{"PrivateData=jobs,usage" if (p.root / "workshop").exists() else ""}
 """
 
 

@@ -161,6 +161,7 @@ AccountingStoragePass={p.munge_socket}
 JobCompType=jobcomp/none
 ReturnToService=2
 MinJobAge=3600
+{workshop_settings(p)}
 KillWait=5
 InactiveLimit=0
 SlurmctldTimeout=30
@@ -169,6 +170,18 @@ MessageTimeout=30
 {nodes}
 PartitionName={PARTITION} Nodes={node_range} Default=YES MaxTime=INFINITE State=UP
 """
+
+
+def workshop_settings(p: ClusterPaths) -> str:
+    """In workshop mode (the file ``workshop`` in the cluster folder, see workshop.py): every job
+    needs an association, whose QOS limits hold; fair share orders the queue; users see only their
+    own jobs (operators and root: every job)."""
+    if not (p.root / "workshop").exists():
+        return "# not a workshop: any local user may submit, no limits (see workshop.py)"
+    return (
+        "AccountingStorageEnforce=associations,limits,qos\nPriorityType=priority/multifactor\n"
+        "PriorityWeightFairshare=10000\nPriorityWeightAge=1000\nPrivateData=jobs"
+    )
 
 
 def node_memory_mb() -> int:

@@ -173,6 +173,15 @@ def start(p: ClusterPaths | None = None, timeout: float = 90) -> str:
     return run(["sinfo"], p)
 
 
+def restart_controller(p: ClusterPaths) -> str:
+    """Stop slurmctld and slurmdbd so that the next :func:`start` runs them on rewritten
+    configuration files; jobs keep running on the nodes and the restarted controller takes them
+    back from its saved state."""
+    terminate(p.ctld_pid, "slurmctld")
+    terminate(accounting.dbd_pid(p), "slurmdbd")
+    return "slurmctld and slurmdbd restarted on the new configuration (running jobs kept)"
+
+
 def _cancel_all(p: ClusterPaths, timeout: float = 30) -> int:
     jobs = run(["squeue", "-h", "-o", "%i"], p, check=False).split()
     if jobs:
