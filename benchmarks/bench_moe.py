@@ -8,8 +8,8 @@ direction that ep > 1 adds. Prints, per run: ms / iteration (mean after the firs
 rank 0, tokens per expert of layer 0 at the last iteration and their max / mean imbalance; writes
 every run's log and a JSON summary under ``--out``.
 
-    python code/bench_moe.py --out runs/bench_moe                    # ep 1, 2, 4 on 4 ranks
-    python code/bench_moe.py --eps 1 --aux-loss-coeffs 0 0.01 --train-iters 30   # the aux loss alone
+    python benchmarks/bench_moe.py --out runs/bench_moe                    # ep 1, 2, 4 on 4 ranks
+    python benchmarks/bench_moe.py --eps 1 --aux-loss-coeffs 0 0.01 --train-iters 30   # the aux loss alone
 """
 
 from __future__ import annotations
