@@ -6,7 +6,8 @@ gradient of its share of the loss, ``sum_k d(loss_k x S / m)`` (``S`` the fp16 l
 
 1. tied embedding (pp > 1): ``dE = dE_first + dE_last`` over ``state.embedding_group``: E is one
    parameter used twice, held by the first and the last stage;
-2. data parallel: ``g = (1 / dp) sum_r g_r``, one flat all-reduce over ``state.dp_group``, after
+2. data (and context) parallel: ``g = (1 / (dp cp)) sum_r g_r``, one flat all-reduce over
+   ``state.dp_cp_group`` (the ranks holding the same weights; cp ranks saw other tokens), after
    the whole schedule (as Megatron's ``finalize_model_grads``; DDP's hook-driven all-reduce would
    need one "last" forward, which 1F1B's interleaving does not have);
 3. fp16: divide by ``S`` and look for inf / nan on any rank (the step is then skipped);
@@ -32,17 +33,18 @@ from distlab.gpt.parallel_state import ParallelState
 def reduce_gradients(
     params: Iterable[nn.Parameter], tied_weight: torch.Tensor | None, state: ParallelState
 ) -> None:
-    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp."""
+    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp x cp."""
     if tied_weight is not None and state.embedding_group is not None:
         if tied_weight.grad is None:
             tied_weight.grad = torch.zeros_like(tied_weight)
         dist.all_reduce(tied_weight.grad, group=state.embedding_group)
     grads = [p.grad for p in params if p.grad is not None]
-    if state.dp == 1 or not grads:
+    replicas = state.dp * state.cp
+    if replicas == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])  # one message instead of one per tensor
-    dist.all_reduce(flat, group=state.dp_group)
-    flat /= state.dp
+    dist.all_reduce(flat, group=state.dp_cp_group)
+    flat /= replicas
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
