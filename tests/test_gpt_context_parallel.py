@@ -32,9 +32,10 @@ pytestmark = pytest.mark.timeout(300)
 RTOL = ATOL = 1e-6
 
 
-def _ring_vs_full(ctx, balanced: bool) -> None:
-    cp, rank = ctx.world_size, ctx.rank
-    gen = torch.Generator().manual_seed(0)
+def _ring_vs_full(rank: int, ring: Ring) -> None:
+    """cp rank ``rank`` of ``ring``: its output and gradients against the whole sequence's."""
+    cp = ring.size
+    gen = torch.Generator().manual_seed(cp)
     q, k, v, dout = (torch.randn(2, 3, 8 * cp, 8, generator=gen) for _ in range(4))  # (b, n, T, d)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref = F.scaled_dot_product_attention(*ref, is_causal=True)
@@ -48,32 +49,35 @@ def _ring_vs_full(ctx, balanced: bool) -> None:
         return batch(ops)
 
     dist.batch_isend_irecv = recording
-    ring = Ring(None, tuple(range(cp)), rank, balanced=balanced)
     mine = [split_sequence(t, ring, dim=2).requires_grad_() for t in (q, k, v)]
     out = ring_attention(*mine, ring)
     out.backward(split_sequence(dout, ring, dim=2))
     dist.batch_isend_irecv = batch
 
-    what = f"cp {cp} rank {rank} balanced={balanced}"
+    what = f"cp {cp} rank {rank} balanced={ring.balanced}"
     torch.testing.assert_close(out, split_sequence(out_ref, ring, dim=2), rtol=RTOL, atol=ATOL, msg=what)
     for name, local, full in zip("qkv", mine, ref, strict=True):
         torch.testing.assert_close(
             local.grad, split_sequence(full.grad, ring, dim=2), rtol=RTOL, atol=ATOL, msg=f"{what}: d{name}"
         )
-    nxt, prev = (rank + 1) % cp, (rank - 1) % cp
-    # forward: cp-1 K/V hops; backward: cp-1 K/V hops and cp dK/dV hops
+    nxt, prev = ring.ranks[(rank + 1) % cp], ring.ranks[(rank - 1) % cp]
+    # forward: cp-1 K/V hops; backward: cp-1 K/V hops and cp dK/dV hops; each one send + one receive
     assert len(posted) == 3 * cp - 2, posted
     assert all(ops == [("isend", nxt), ("irecv", prev)] for ops in posted), posted
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_equals_full_causal_attention(cp: int) -> None:
-    run_gloo(_ring_cases, cp)
-
-
 def _ring_cases(ctx) -> None:
+    """Two rings of 2 ([0, 1] and [2, 3], side by side) and one ring of 4, both splits."""
+    pairs = [[0, 1], [2, 3]]
+    groups = [dist.new_group(p) for p in pairs]
+    pair = ctx.rank // 2
     for balanced in (True, False):
-        _ring_vs_full(ctx, balanced)
+        _ring_vs_full(ctx.rank % 2, Ring(groups[pair], tuple(pairs[pair]), ctx.rank % 2, balanced))
+        _ring_vs_full(ctx.rank, Ring(None, (0, 1, 2, 3), ctx.rank, balanced))
+
+
+def test_ring_attention_equals_full_causal_attention() -> None:
+    run_gloo(_ring_cases, 4)
 
 
 def test_balanced_split_gives_every_rank_the_same_work() -> None:
