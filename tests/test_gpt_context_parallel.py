@@ -19,12 +19,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from distlab.checks import ExerciseError
 from distlab.distributed import free_port
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.context_parallel import Ring, pair_work, ring_attention, split_sequence
+from distlab.gpt.context_parallel import Ring, describe, pair_work, ring_attention, split_sequence
 from distlab.gpt.layout import Layout
 from distlab.gpt.local_run import prepare_data, pretrain_as_rank
 from distlab.gpt.memory_estimate import MemorySetup, activation_bytes
+from distlab.gpt.parallel_state import ParallelState
+from distlab.logs.exercise import check_long_sequence_run
+from distlab.logs.formats import ITERATION, PREDICTION
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(300)
@@ -168,3 +172,34 @@ def test_predicted_activation_memory_falls_as_one_over_cp() -> None:
                  micro_batch_size=1)  # fmt: skip
     one, two, four = (activation_bytes(MemorySetup(**shape, cp=cp)) for cp in (1, 2, 4))
     assert two == pytest.approx(one / 2) and four == pytest.approx(one / 4)
+
+
+# --- notebook 09's exercise check ---------------------------------------------------------------
+def _long_run_log(tp: int, cp: int, predicted: float, last_it: int = 2, seq: int = 2048) -> str:
+    world = 4
+    lines = [ParallelState(Layout(world, tp=tp, cp=cp), rank=0).banner()]
+    if cp > 1:
+        lines.append(describe(seq, Ring(None, tuple(range(cp)), 0)))
+    lines.append(PREDICTION.format(predicted=predicted, measured=predicted + 3, how="peak RSS", error=8.0))
+    for it in range(1, last_it + 1):
+        lines.append(ITERATION.format(it=it, total=2, samples=it, ms=900.0, lr=1e-3, gbs=world // (tp * cp),
+                                      loss=8.0, scale=1.0, gnorm=1.0, skipped=0, nan=0))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def test_exercise_check_passes_only_a_finished_run_within_the_budget(capsys) -> None:
+    kw = dict(world_size=4, seq_length=2048, budget_mib=38, max_tp=2)
+    assert check_long_sequence_run(None, **kw) is False
+    assert "[not yet]" in capsys.readouterr().out
+    assert check_long_sequence_run(_long_run_log(1, 4, 34.5), **kw)
+    assert check_long_sequence_run(_long_run_log(2, 2, 35.9), **kw)
+    wrong = {
+        "over the budget (cp 2 x dp 2)": _long_run_log(1, 2, 66.8),
+        "tp 4 crosses the node": _long_run_log(4, 1, 37.0),
+        "did not finish": _long_run_log(1, 4, 34.5, last_it=1),
+        "another sequence": _long_run_log(1, 4, 9.0, seq=512),
+    }
+    for why, log in wrong.items():
+        with pytest.raises(ExerciseError):
+            check_long_sequence_run(log, **kw)
+            pytest.fail(why)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.gpt.parallel_state import ParallelState
+from distlab.logs.formats import CONTEXT_PARALLEL
 
 _KV, _DKV = 0, 1  # message tags: a K/V block, a dK/dV accumulator
 
@@ -168,7 +169,8 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 _wait(ring, pending[0])
                 kv = pending[1]
-        o = torch.cat(out, dim=2).to(q.dtype)  # (b, n, T/cp, d)
+        # (b, n, T/cp, d), stored as (b, T/cp, n, d): the projection's input is a view, not a copy
+        o = torch.cat(out, dim=2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2))
         return o
@@ -209,10 +211,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
 
 
 def describe(seq_length: int, ring: Ring) -> str:
-    """The start-up line of a context-parallel run."""
-    c = seq_length // (2 * ring.size)
+    """The start-up line of a context-parallel run (``distlab.logs.formats.CONTEXT_PARALLEL``)."""
     how = "load-balanced: rank i holds chunks i and 2cp-1-i" if ring.balanced else "contiguous"
-    return (
-        f"> context parallelism: {ring.size} ranks, sequence {seq_length} in {2 * ring.size} chunks of "
-        f"{c} tokens ({how}), {seq_length // ring.size} tokens per rank, ring attention"
+    return CONTEXT_PARALLEL.format(
+        cp=ring.size,
+        seq_length=seq_length,
+        chunks=2 * ring.size,
+        chunk=seq_length // (2 * ring.size),
+        how=how,
+        per_rank=seq_length // ring.size,
     )

@@ -185,6 +185,22 @@ class Layout:
             )
 
 
+def describe_groups(layout: Layout, per_node: int) -> list[str]:
+    """Every dimension's groups on nodes of ``per_node`` consecutive ranks, and whether each group
+    stays inside one node (where its collectives use the fast links) or crosses nodes."""
+    lines = []
+    for dim in ORDER:
+        if layout.size(dim) == 1:
+            lines.append(f"{dim} (size 1): no group, no communication")
+            continue
+        groups = layout.groups(dim)
+        inside = all(len({r // per_node for r in g}) == 1 for g in groups)
+        where = "inside a node" if inside else "across nodes"
+        shown = " ".join(str(g).replace(" ", "") for g in groups)
+        lines.append(f"{dim} (size {layout.size(dim)}): {shown:<40} {where}")
+    return lines
+
+
 def rampup_schedule(start: int, increment: int, ramp_samples: int, global_batch_size: int) -> tuple:
     """``--rampup-batch-size start increment samples`` as ``(first sample, batch)`` steps.
 
