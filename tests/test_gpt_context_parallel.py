@@ -29,7 +29,7 @@ from distlab.gpt.memory_estimate import MemorySetup, activation_bytes
 from distlab.gpt.parallel_state import ParallelState
 from distlab.logs.exercise import check_long_sequence_run
 from distlab.logs.formats import ITERATION, PREDICTION
-from tests.conftest import run_gloo
+from tests.conftest import assert_same_training, run_gloo
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -133,14 +133,7 @@ def test_context_parallel_gpt_matches_single_process(runs: Path, name: str) -> N
     world, tp, cp = RUNS[name]
     ref, last = _history(runs, "reference", 0), _history(runs, name, world - 1)
     assert len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]  # it learns: not vacuous
-    for key in ("losses", "grad_norms", "val_losses"):
-        torch.testing.assert_close(
-            torch.tensor(last[key], dtype=torch.float64),
-            torch.tensor(ref[key], dtype=torch.float64),
-            rtol=RTOL,
-            atol=ATOL,
-            msg=lambda m, key=key: f"{name}: {key} differ from one process: {m}",
-        )
+    assert_same_training(last, ref, name, tol=RTOL)
     first = (runs / f"{name}.rank0.log").read_text()
     assert f"> context parallelism: {cp} ranks, sequence 16 in {2 * cp} chunks" in first
 

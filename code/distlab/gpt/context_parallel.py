@@ -15,8 +15,8 @@ receive from i-1: NCCL-safe), and merges the partial results by their log-sum-ex
 
 Causal masking works per pair of chunks (q chunk a, k chunk b): all keys visible if b < a,
 the causal triangle if b == a, nothing if b > a (skipped). Balanced, every rank computes the
-same number of pairs at every step after the first; unbalanced, rank cp-1 computes all of its
-pairs while rank 0 waits after step 0 (:func:`pair_work`).
+same work at every step (two pairs; at step 0 one pair and two half diagonals); contiguous, rank
+cp-1 computes at every step while rank 0 waits after step 0 (:func:`pair_work`).
 
 **Backward** (:class:`RingAttention`, a ``torch.autograd.Function``): the probabilities are
 *recomputed* per block from Q, K and the saved log-sum-exp (as FlashAttention does), never
