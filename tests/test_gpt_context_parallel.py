@@ -4,8 +4,9 @@ Unit level (cp = 2 and 4, both splits): every rank's output and dQ, dK, dV of it
 equal those of ``F.scaled_dot_product_attention(is_causal=True)`` on the whole sequence, and
 every p2p operation is posted in a batch of one send to the next rank and one receive from the
 previous one. Whole run: a tiny GPT (sequence 16) trains 3 iterations in fp32 with cp = 2,
-cp = 4 and cp 2 x tp 2; losses, gradient norms and the validation loss equal the single-process
-run within 1e-6. Bad layouts are refused before any process group exists.
+cp = 4, cp 2 x tp 2 and cp 2 x pp 2 (one spawn of 4 ranks); losses, gradient norms and the
+validation loss equal the single-process run within 1e-6. Bad layouts are refused before any
+process group exists; notebook 09's exercise check passes only a right run.
 """
 
 from __future__ import annotations
@@ -100,8 +101,14 @@ MODEL = (
     "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
     "--eval-interval 3 --eval-iters 1 --distributed-backend gloo"
 ).split()
-#: name: (world, tp, cp); the reference runs on rank 0 alone.
-RUNS = {"reference": (1, 1, 1), "cp2": (2, 1, 2), "cp4": (4, 1, 4), "cp2-tp2": (4, 2, 2)}
+#: name: (world, tp, cp, pp); the reference runs on rank 0 alone.
+RUNS = {
+    "reference": (1, 1, 1, 1),
+    "cp2": (2, 1, 2, 1),
+    "cp4": (4, 1, 4, 1),
+    "cp2-tp2": (4, 2, 2, 1),
+    "cp2-pp2": (4, 1, 2, 2),  # stages exchange (b, T/cp, H)
+}
 
 
 def _worker(rank: int, plan: list, out: str) -> None:
@@ -117,8 +124,9 @@ def runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("gpt_cp")
     data = prepare_data(base / "data", vocab_size=512, max_files=40).argv()
     plan = []
-    for name, (world, tp, cp) in RUNS.items():
-        argv = [*MODEL, *data, "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp)]
+    for name, (world, tp, cp, pp) in RUNS.items():
+        argv = [*MODEL, *data, "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
+                "--pipeline-model-parallel-size", str(pp)]  # fmt: skip
         plan.append((name, world, argv, free_port()))
     mp.spawn(_worker, args=(plan, str(base)), nprocs=4, join=True)
     return base
@@ -128,9 +136,9 @@ def _history(folder: Path, name: str, rank: int) -> dict:
     return json.loads((folder / f"{name}.rank{rank}.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp4", "cp2-tp2"])
+@pytest.mark.parametrize("name", ["cp2", "cp4", "cp2-tp2", "cp2-pp2"])
 def test_context_parallel_gpt_matches_single_process(runs: Path, name: str) -> None:
-    world, tp, cp = RUNS[name]
+    world, tp, cp, pp = RUNS[name]
     ref, last = _history(runs, "reference", 0), _history(runs, name, world - 1)
     assert len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]  # it learns: not vacuous
     assert_same_training(last, ref, name, tol=RTOL)
