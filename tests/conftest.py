@@ -67,3 +67,16 @@ def run_gloo(fn: Callable[..., None], world: int, *args, timeout_s: float = 60) 
     does not survive a fork), and import it.
     """
     mp.spawn(_gloo_rank, args=(world, free_port(), timeout_s, fn, args), nprocs=world, join=True)
+
+
+def assert_same_training(history: dict, reference: dict, what: str, tol: float = 1e-6) -> None:
+    """A run's losses, gradient norms and validation losses equal the reference run's within
+    ``rtol = atol = tol`` (fp32 round-off of a different order of sums)."""
+    for key in ("losses", "grad_norms", "val_losses"):
+        torch.testing.assert_close(
+            torch.tensor(history[key], dtype=torch.float64),
+            torch.tensor(reference[key], dtype=torch.float64),
+            rtol=tol,
+            atol=tol,
+            msg=lambda m, key=key: f"{what}: {key} differ from one process: {m}",
+        )

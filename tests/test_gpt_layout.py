@@ -34,7 +34,7 @@ def test_world_size_message_names_every_value() -> None:
     with pytest.raises(
         ValueError,
         match=r"world size 6 is not divisible by tensor-model-parallel size 2 x "
-        r"pipeline-model-parallel size 2 = 4",
+        r"context-parallel size 1 x pipeline-model-parallel size 2 = 4",
     ):
         Layout(6, tp=2, pp=2)
     with pytest.raises(ValueError, match="must be >= 1"):

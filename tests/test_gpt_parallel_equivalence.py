@@ -24,10 +24,11 @@ from distlab.distributed import free_port
 from distlab.gpt.local_run import prepare_data, pretrain_as_rank
 from distlab.gpt.pipeline_plot import plot_timelines
 from distlab.gpt.pipeline_timeline import load_timeline
+from tests.conftest import assert_same_training
 
 pytestmark = pytest.mark.timeout(420)
 
-RTOL = ATOL = 1e-6
+RTOL = 1e-6  # rtol = atol
 MODEL = (
     "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
     "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 "
@@ -102,14 +103,7 @@ def test_layout_matches_single_process(runs: Path, tp: int, pp: int, dp: int, sc
     last = _history(runs, _name(tp, pp, dp, schedule), world - 1)  # Megatron logs from the last rank
     what = f"(TP, PP, DP) = ({tp}, {pp}, {dp}) {schedule}"
     assert len(last["losses"]) == 3
-    for key in ("losses", "grad_norms", "val_losses"):
-        torch.testing.assert_close(
-            torch.tensor(last[key], dtype=torch.float64),
-            torch.tensor(ref[key], dtype=torch.float64),
-            rtol=RTOL,
-            atol=ATOL,
-            msg=lambda m, key=key: f"{what}: {key} differ from one process: {m}",
-        )
+    assert_same_training(last, ref, what, tol=RTOL)
     # The last rank prints the iteration lines, with the last stage's loss in them.
     lines = [ln for ln in last["log"].splitlines() if " lm loss: " in ln and "iteration" in ln]
     assert len(lines) == 3, last["log"]

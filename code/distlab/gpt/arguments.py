@@ -169,6 +169,10 @@ class PretrainArgs:
     # --- parallelism ---
     tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages")
+    context_parallel_size: int = _f(
+        1,
+        "ranks sharing each sequence (context parallelism: ring attention); --seq-length must divide by 2x it",
+    )
     pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
     pipeline_timeline: str = _f(None, "pp > 1: write the last step's F/B times per stage as JSON")
     # --- mixture of experts (Megatron-LM's --num-experts and --moe-*) ---
@@ -295,7 +299,10 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         raise ValueError("; ".join(missing))
     layout = build_layout(args, world_size)
     layout.validate_model(
-        num_layers=args.num_layers, num_attention_heads=args.num_attention_heads, hidden_size=args.hidden_size
+        num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        hidden_size=args.hidden_size,
+        seq_length=args.seq_length,
     )
     args.global_batch_size = layout.global_batch_size
     if args.max_position_embeddings is None:
@@ -311,6 +318,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_ckpt_format_errors(args, layout),
         *_recompute_errors(args, layout),
         *moe_errors(args, layout),
+        *_context_parallel_errors(args, layout),
     ]
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))
@@ -345,6 +353,7 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
         ep=args.expert_model_parallel_size,
+        cp=args.context_parallel_size,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         batch_schedule=schedule,
@@ -545,6 +554,26 @@ def _recompute_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         args.recompute_num_layers,
         args.num_layers // layout.pp,
     )
+
+
+def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """--context-parallel-size: this engine's own back end, no attention dropout, the legacy checkpoints."""
+    if layout.cp == 1:
+        return []
+    flag = f"--context-parallel-size {layout.cp}"
+    errors = [
+        f"{flag} with {name}: {why}"
+        for name, given, why in (
+            ("--deepspeed", args.deepspeed, "ZeRO shards over the data-parallel ranks only; drop one"),
+            ("--use-torch-fsdp2", args.use_torch_fsdp2, "its mesh is the data-parallel ranks only; drop one"),
+            (f"--attention-dropout {args.attention_dropout}", args.attention_dropout > 0,
+             "ring attention has no dropout; set it to 0"),
+            ("--ckpt-format torch_dist", args.ckpt_format == "torch_dist" and bool(args.save or args.load),
+             "cp ranks hold the same weights under the same names; use --ckpt-format torch"),
+        )
+        if given
+    ]  # fmt: skip
+    return errors
 
 
 def profile_ranks(args: PretrainArgs) -> set[int]:

@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from distlab.distributed import DistContext, cap_cpu_threads, print_on
 from distlab.gpt import checkpointer, checkpointing, deepspeed_config, deepspeed_engine, log
 from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
+from distlab.gpt.context_parallel import describe as describe_cp
+from distlab.gpt.context_parallel import ring_of
 from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
 from distlab.gpt.layout import Layout
@@ -137,6 +139,8 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         print_on(rank0, ramp_line(layout))
     moe = moe_config(args)
     print_on(rank0 and moe is not None, moe and moe.describe(layout.ep))
+    if state.cp > 1:
+        print_on(rank0, describe_cp(args.seq_length, ring_of(state)))
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
     vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
     print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab))
@@ -275,7 +279,7 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
     )
     model = GPTModel(cfg, state).to(device)
     print_on(
-        state.dp_rank == 0,
+        state.dp_rank == 0 and state.cp_rank == 0,
         PARAMETERS.format(
             tp_rank=state.tp_rank,
             pp_rank=state.pp_rank,
@@ -291,7 +295,11 @@ def _build_forward_backward(
     """pp = 1: a loop over the micro-batches; pp > 1: the GPipe or 1F1B schedule."""
     if state.pp == 1:
         return forward_backward
-    shape = (args.micro_batch_size, args.seq_length, args.hidden_size)  # (b, T, H) between stages
+    shape = (
+        args.micro_batch_size,
+        args.seq_length // state.cp,
+        args.hidden_size,
+    )  # (b, T/cp, H) between stages
     spec = P2PSpec(shape, torch.float32, device, timeout_s=60 * args.distributed_timeout_minutes)
     return PipelineForwardBackward(state, spec, schedule=args.pipeline_schedule, timeline=timeline)
 

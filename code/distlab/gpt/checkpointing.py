@@ -94,7 +94,7 @@ def save_checkpoint(
     if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
     dist.barrier()
-    if state.dp_rank == 0:
+    if state.dp_rank == 0 and state.cp_rank == 0:  # cp ranks hold the same weights
         path = rank_file(tmp, state)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(

@@ -108,7 +108,7 @@ def draw_placement(out_dir: Path, nodes: int = 2, per_node: int = 2, tp: int = 2
         ax.text(x0 + 0.1, 1.8, f"node{n + 1}", ha="left", fontsize=11, weight="bold")
         for local in range(per_node):
             rank = n * per_node + local
-            t, d, p = layout.coords(rank)
+            t, d, p = (layout.coord(rank, dim) for dim in ("tp", "dp", "pp"))
             x = x0 + 0.3 + local * 1.8
             face = matplotlib.colors.to_hex(f"C{p}") + "66"
             _box(ax, x, 0.45, 1.2, 1.1, f"GPU {local}: rank {rank}\ntp {t}  pp {p}  dp {d}", face, size=8)

@@ -6,7 +6,8 @@ gradient of its share of the loss, ``sum_k d(loss_k x S / m)`` (``S`` the fp16 l
 
 1. tied embedding (pp > 1): ``dE = dE_first + dE_last`` over ``state.embedding_group``: E is one
    parameter used twice, held by the first and the last stage;
-2. data parallel: ``g = (1 / dp) sum_r g_r``, one flat all-reduce over ``state.dp_group``, after
+2. data (and context) parallel: ``g = (1 / (dp cp)) sum_r g_r``, one flat all-reduce over
+   ``state.dp_cp_group`` (the ranks holding the same weights; cp ranks saw other tokens), after
    the whole schedule (as Megatron's ``finalize_model_grads``; DDP's hook-driven all-reduce would
    need one "last" forward, which 1F1B's interleaving does not have);
    expert parameters (``p.expert_parallel``, ep > 1) instead over ``state.edp_group``, the
@@ -37,8 +38,8 @@ from distlab.gpt.parallel_state import ParallelState
 def reduce_gradients(
     params: Iterable[nn.Parameter], tied_weight: torch.Tensor | None, state: ParallelState
 ) -> None:
-    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp (experts:
-    sum over the expert-data-parallel group, divide by dp)."""
+    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp x cp (experts:
+    sum over the expert-data-parallel group, divide by dp x cp)."""
     if tied_weight is not None and state.embedding_group is not None:
         if tied_weight.grad is None:
             tied_weight.grad = torch.zeros_like(tied_weight)
@@ -46,7 +47,8 @@ def reduce_gradients(
     params = [p for p in params if p.grad is not None]
     experts = [p.grad for p in params if state.ep > 1 and _is_expert(p)]
     dense = [p.grad for p in params if not (state.ep > 1 and _is_expert(p))]
-    _all_reduce_mean(dense, state.dp_group if state.dp > 1 else None, state.dp)
+    replicas = state.dp * state.cp  # the ranks holding the same dense weights
+    _all_reduce_mean(dense, state.dp_cp_group if replicas > 1 else None, replicas)
     if experts:
         edp = state.layout.expert_data_size // state.ep
         _all_reduce_mean(experts, state.edp_group if edp > 1 else None, state.layout.expert_data_size)

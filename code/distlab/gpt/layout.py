@@ -1,16 +1,21 @@
 """The run's layout, validated once: how the world's ranks factor, and the batch arithmetic.
 
-Ranks are laid out as Megatron-LM does (order ``tp-dp-pp``, the first dimension fastest)::
+Ranks are laid out as Megatron-LM does (order ``tp-cp-dp-pp``, the first dimension fastest)::
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-    world size = tp x dp x pp                      dp is what the other sizes leave
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+    world size = tp x cp x dp x pp                 dp is what the other sizes leave
 
 so the ``tp`` ranks of a tensor-parallel group are adjacent and share a node, where their
-all-reduces are cheapest. With world 8, tp 2, pp 2, dp 2::
+all-reduces are cheapest, and the ``cp`` ranks of a context-parallel ring come next (their
+K/V blocks travel every layer). With world 8, tp 2, pp 2, dp 2 (cp 1)::
 
     tp groups : [0,1] [2,3] [4,5] [6,7]
     dp groups : [0,2] [1,3] [4,6] [5,7]
     pp groups : [0,4] [1,5] [2,6] [3,7]
+
+and with world 8, tp 2, cp 2, dp 2: tp [0,1] [2,3] ..., cp [0,2] [1,3] [4,6] [5,7], dp [0,4]
+[1,5] [2,6] [3,7]. Gradients are averaged over ``groups("dp", "cp")`` ([0,2,4,6] [1,3,5,7]):
+cp ranks hold the same weights and see different tokens of the same samples.
 
 A step consumes one global batch of ``B = b x dp x m`` samples (micro batch ``b``, ``m``
 micro-batches per rank); with a batch-size ramp (``--rampup-batch-size``,
@@ -40,11 +45,12 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-#: Dimensions from the fastest-varying rank coordinate to the slowest (Megatron's tp-dp-pp).
-ORDER = ("tp", "dp", "pp")
+#: Dimensions from the fastest-varying rank coordinate to the slowest (Megatron's tp-cp-dp-pp).
+ORDER = ("tp", "cp", "dp", "pp")
 #: How messages name each size, and the flag that sets it (dp has none: it is what remains).
 SIZE_NAMES = {
     "tp": ("tensor-model-parallel size", "--tensor-model-parallel-size"),
+    "cp": ("context-parallel size", "--context-parallel-size"),
     "dp": ("data-parallel size", None),
     "pp": ("pipeline-model-parallel size", "--pipeline-model-parallel-size"),
     "ep": ("expert-model-parallel size", "--expert-model-parallel-size"),
@@ -61,6 +67,7 @@ class Layout:
     world_size: int
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     ep: int = 1
     """Expert-model-parallel size: ranks of a dp (x cp) group that share out the experts."""
     micro_batch_size: int = 1
@@ -98,7 +105,7 @@ class Layout:
         return math.prod(self.size(d) for d in ORDER[: ORDER.index(dim)])
 
     def coords(self, rank: int) -> tuple[int, ...]:
-        """A global rank's coordinates, in :data:`ORDER` (``(tp_rank, dp_rank, pp_rank)``)."""
+        """A global rank's coordinates, in :data:`ORDER` (``(tp_rank, cp_rank, dp_rank, pp_rank)``)."""
         return tuple((rank // self._stride(d)) % self.size(d) for d in ORDER)
 
     def coord(self, rank: int, dim: str) -> int:
@@ -109,17 +116,18 @@ class Layout:
         return sum(c * self._stride(d) for c, d in zip(coords, ORDER, strict=True))
 
     def groups(self, *dims: str) -> list[list[int]]:
-        """Every group of ``dims``: the ranks that differ only in those coordinates (the first of
-        ``dims`` varying fastest within a group)."""
+        """Every group of ``dims``: the ranks that differ only in those coordinates (one
+        dimension, or several: ``groups("dp", "cp")``), each group in rank order."""
         others = [d for d in reversed(ORDER) if d not in dims]  # slowest first
+        inner = [d for d in ORDER if d in dims]
         out = []
         for fixed in itertools.product(*(range(self.size(d)) for d in others)):
             at = dict(zip(others, fixed, strict=True))
             group = []
-            for inner in itertools.product(*(range(self.size(d)) for d in reversed(dims))):
-                at.update(zip(reversed(dims), inner, strict=True))
+            for varying in itertools.product(*(range(self.size(d)) for d in inner)):
+                at.update(zip(inner, varying, strict=True))
                 group.append(self.rank_of(*(at[d] for d in ORDER)))
-            out.append(group)
+            out.append(sorted(group))
         return out
 
     # --- experts -------------------------------------------------------------------------
@@ -149,9 +157,17 @@ class Layout:
                 f"{self.expert_data_size} or launch more processes"
             )
 
-    def validate_model(self, *, num_layers: int, num_attention_heads: int, hidden_size: int) -> None:
-        """Heads and hidden size must split over ``tp``, layers over ``pp``."""
+    def validate_model(
+        self, *, num_layers: int, num_attention_heads: int, hidden_size: int, seq_length: int | None = None
+    ) -> None:
+        """Heads and hidden size must split over ``tp``, layers over ``pp``, the sequence into
+        ``2 cp`` chunks (the load-balanced causal split of ``context_parallel.py``)."""
         errors = []
+        if seq_length is not None and self.cp > 1 and seq_length % (2 * self.cp):
+            errors.append(
+                f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {self.cp} "
+                f"= {2 * self.cp} (each cp rank holds two of the 2 cp equal chunks)"
+            )
         if num_attention_heads % self.tp:
             errors.append(
                 f"--num-attention-heads {num_attention_heads} is not divisible by "
@@ -166,7 +182,9 @@ class Layout:
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {self.pp}"
             )
         if errors:
-            raise ValueError("; ".join(errors) + ": change the model size or the parallel layout")
+            raise ValueError(
+                "; ".join(errors) + ": change the model size, the sequence or the parallel layout"
+            )
 
     # --- batches -------------------------------------------------------------------------
     @property
@@ -210,6 +228,22 @@ class Layout:
                 f"size {self.dp} = {per_step}: every size of the ramp must be (choose a start and an "
                 f"increment that are multiples of {per_step})"
             )
+
+
+def describe_groups(layout: Layout, per_node: int) -> list[str]:
+    """Every dimension's groups on nodes of ``per_node`` consecutive ranks, and whether each group
+    stays inside one node (where its collectives use the fast links) or crosses nodes."""
+    lines = []
+    for dim in ORDER:
+        if layout.size(dim) == 1:
+            lines.append(f"{dim} (size 1): no group, no communication")
+            continue
+        groups = layout.groups(dim)
+        inside = all(len({r // per_node for r in g}) == 1 for g in groups)
+        where = "inside a node" if inside else "across nodes"
+        shown = " ".join(str(g).replace(" ", "") for g in groups)
+        lines.append(f"{dim} (size {layout.size(dim)}): {shown:<40} {where}")
+    return lines
 
 
 def rampup_schedule(start: int, increment: int, ramp_samples: int, global_batch_size: int) -> tuple:

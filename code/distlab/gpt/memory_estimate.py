@@ -1,7 +1,7 @@
 """Predict a rank's peak memory before running: model states plus activations.
 
 Notation: L layers, h hidden, a heads, s sequence, b micro batch, V padded vocabulary,
-P parameters on this rank, tp / pp / dp the parallel sizes, M micro-batches per step.
+P parameters on this rank, tp / pp / dp / cp the parallel sizes, M micro-batches per step.
 
 **Model states** (bytes per parameter; ZeRO, Rajbhandari et al. 2020, with K the optimizer's)::
 
@@ -55,6 +55,13 @@ backward, which ends before any block is rebuilt: the peak adds the larger of th
 a router (E h) and this rank's E / ep experts, (E / ep)(8 h^2 + 5 h): expert parameters, their
 gradients and optimizer state divide by ep. Activations are counted as the dense MLP's (the k
 routed copies of each token are not in the estimate).
+
+**Context parallelism** (``context_parallel.py``): a rank holds s / cp tokens of every sample,
+so every activation above counts s / cp instead of s, the loss head included: activation memory
+per rank falls as 1 / cp. Ring attention stores no scores (it recomputes them per block in
+backward, like fused attention), only q, k, v, its output and a log-sum-exp; the K/V blocks in
+flight and one block pair's (b, a/t, s/(2cp), s/(2cp)) scores are transient and not counted.
+Gradients are all-reduced over dp x cp through one flat copy.
 
 **Pipelines**: a stage holds L / pp layers; the first stage keeps the activations of
 min(pp, M) micro-batches under 1F1B, of all M under GPipe.
@@ -113,6 +120,8 @@ class MemorySetup:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
+    """Context parallelism: s / cp tokens of every sample on this rank."""
     pipeline_schedule: str = "1f1b"
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3 (0: plain data parallelism, DDP)."""
@@ -138,6 +147,8 @@ class MemorySetup:
                 f"layers {self.num_layers} must divide by pp {self.pp} and hidden {self.hidden_size} "
                 f"by heads {self.num_attention_heads}"
             )
+        if self.cp > 1 and self.seq_length % (2 * self.cp):
+            raise ValueError(f"sequence {self.seq_length} must divide by 2 x cp {self.cp}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention backend {self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
@@ -174,6 +185,7 @@ class MemorySetup:
             tp=layout.tp,
             pp=layout.pp,
             dp=layout.dp,
+            cp=layout.cp,
             pipeline_schedule=args.pipeline_schedule,
             zero_stage=zero.get("stage", 0),
             offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
@@ -209,14 +221,19 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1) -> floa
     return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
 
 
+def _local_seq(c: MemorySetup) -> int:
+    """Tokens of a sample on this rank: s, or s / cp with context parallelism."""
+    return c.seq_length // c.cp
+
+
 def _sbh(c: MemorySetup) -> int:
-    return c.seq_length * c.micro_batch_size * c.hidden_size
+    return _local_seq(c) * c.micro_batch_size * c.hidden_size
 
 
 def scores_bytes(c: MemorySetup) -> float:
     """The softmax probabilities the explicit attention keeps, b (a / t) s^2 values: fp32, plus
-    their half copy under autocast; 0 with fused attention."""
-    if c.attention_backend not in EXPLICIT_BACKENDS:
+    their half copy under autocast; 0 with fused attention and with ring attention (cp > 1)."""
+    if c.attention_backend not in EXPLICIT_BACKENDS or c.cp > 1:
         return 0.0
     per_value = 4 + (2 if c.precision in _HALF else 0)
     return per_value * c.micro_batch_size * c.num_attention_heads * c.seq_length**2 / c.tp
@@ -253,7 +270,7 @@ def recompute_extra_bytes(c: MemorySetup) -> float:
 
 def head_bytes(c: MemorySetup) -> float:
     """Loss head: final LN in/out (2 sbh fp32) and three b s V fp32 tensors at its backward."""
-    bsv = c.micro_batch_size * c.seq_length * c.vocab_size / c.tp
+    bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / c.tp
     return 4 * (2 * _sbh(c) + 3 * bsv)
 
 
@@ -319,8 +336,8 @@ def estimate(c: MemorySetup) -> MemoryEstimate:
     optim = 0.0 if c.offload else n * k / _zero_shards(c, 1)
     if c.offload and c.zero_stage == 3:
         params = 0.0
-    if c.zero_stage == 0 and c.dp > 1:
-        grads *= 2  # DDP's all-reduce buckets hold a second copy of the gradients
+    if c.zero_stage == 0 and c.dp * c.cp > 1:
+        grads *= 2  # the all-reduce's flat buffer (DDP's buckets) holds a second copy of the gradients
     copies = 2 * n if c.precision in _HALF and not deepspeed_mixed else 0.0
     return MemoryEstimate(params, grads, optim, copies, activation_bytes(c))
 

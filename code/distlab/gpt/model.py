@@ -25,6 +25,11 @@ becomes a router and E experts, split over the ep ranks of the layout's expert g
 stage attaches ``coeff sum_layers l_aux`` to the per-token loss for backward (the returned values
 stay the lm loss).
 
+Context parallelism (``context_parallel.py``): with cp > 1 each rank holds T / cp tokens of
+every sample (two of 2 cp chunks, their global positions from ``context_parallel.positions``)
+and the core attention is :func:`~distlab.gpt.context_parallel.ring_attention` over the cp group;
+every other layer is per token and needs nothing.
+
 Memory (``recompute.py``): ``--attention-backend`` picks the core attention, PyTorch's fused
 ``scaled_dot_product_attention`` or :func:`unfused_attention` (which stores the (b, n, T, T)
 probabilities); ``--recompute-granularity selective`` checkpoints the core attention of every
@@ -47,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from distlab.gpt.context_parallel import Ring, positions, ring_attention, ring_of
 from distlab.gpt.moe import MoEConfig, MoELayer, attach_aux_loss
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.recompute import ATTENTION_BACKENDS, EXPLICIT_BACKENDS, checkpoint_groups, recompute_errors
@@ -124,8 +130,9 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout
 class SelfAttention(nn.Module):
     """Causal multi-head attention; this rank computes ``n / tp`` whole heads."""
 
-    def __init__(self, cfg: GPTConfig, group, tp: int) -> None:
+    def __init__(self, cfg: GPTConfig, group, tp: int, ring: Ring | None = None) -> None:
         super().__init__()
+        self.ring = ring  # cp > 1: ring attention over the context-parallel group
         self.heads = cfg.num_attention_heads // tp  # this rank's heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.dropout = cfg.attention_dropout
@@ -146,7 +153,10 @@ class SelfAttention(nn.Module):
         return self.proj(y)  # partial (b, T, H) per rank, then g: all-reduce forward
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(Q K^T / sqrt(d)) V, causal: each (b, n/tp, T, H/n) -> (b, n/tp, T, H/n)."""
+        """softmax(Q K^T / sqrt(d)) V, causal: each (b, n/tp, T, H/n) -> (b, n/tp, T, H/n)
+        (T / cp queries against all T keys with context parallelism)."""
+        if self.ring is not None:
+            return ring_attention(q, k, v, self.ring)
         p = self.dropout if self.training else 0.0
         if self.explicit:
             return unfused_attention(q, k, v, p)
@@ -170,10 +180,12 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block: per direction, one f and one g around attention and
     around the MLP, so 2 all-reduces forward and 2 backward when tp > 1."""
 
-    def __init__(self, cfg: GPTConfig, group, tp: int, state: ParallelState | None = None) -> None:
+    def __init__(
+        self, cfg: GPTConfig, group, tp: int, state: ParallelState | None = None, ring: Ring | None = None
+    ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attn = SelfAttention(cfg, group, tp)
+        self.attn = SelfAttention(cfg, group, tp, ring)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         if cfg.moe is None:
             self.mlp = MLP(cfg, group)
@@ -198,6 +210,12 @@ class GPTModel(nn.Module):
         pp_rank = state.pp_rank if state is not None else 0
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
         self.tp_group = state.tp_group if tp > 1 else None  # None: every operator is the identity
+        self.ring = ring_of(state)
+        if self.ring is not None and cfg.attention_dropout:
+            raise ValueError(
+                f"--attention-dropout {cfg.attention_dropout} with --context-parallel-size {state.cp}: "
+                f"ring attention has no dropout; set it to 0"
+            )
         if self.is_first:
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=self.tp_group)
             self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # P: (T_max, H)
@@ -214,7 +232,7 @@ class GPTModel(nn.Module):
         first_layer = pp_rank * per_stage
         self.layers = nn.ModuleDict(
             {
-                str(i): Block(cfg, self.tp_group, tp, state)
+                str(i): Block(cfg, self.tp_group, tp, state, self.ring)
                 for i in range(first_layer, first_layer + per_stage)
             }
         )
@@ -245,9 +263,15 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (b, T) -> per-token loss (b, T) if labels are given on the last stage, logits
-        (b, T, V) without labels, hidden states (b, T, H) on other stages."""
+        (b, T, V) without labels, hidden states (b, T, H) on other stages (T: this rank's
+        T / cp tokens with context parallelism)."""
         if self.is_first:
-            pos = torch.arange(tokens.shape[1], device=tokens.device)
+            T = tokens.shape[1]
+            pos = (
+                torch.arange(T, device=tokens.device)
+                if self.ring is None
+                else positions(T, self.ring, tokens.device)
+            )
             h = self.drop(self.wte(tokens) + self.wpe(pos))  # (b, T, H)
         else:
             h = self.input_tensor

@@ -126,6 +126,12 @@ def moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             f"{layout.pp}: this engine's MoE runs with tp = pp = 1 only (experts split over data-parallel "
             f"ranks; the aux loss joins the loss on the one stage); set both to 1"
         )
+    if layout.cp > 1:
+        errors.append(
+            f"--num-experts with --context-parallel-size {layout.cp}: this engine's router counts the "
+            f"tokens per expert of one sequence shard only (Megatron sums them over the cp group); "
+            f"set --context-parallel-size 1"
+        )
     if args.recompute_granularity == "full":
         errors.append(
             "--num-experts with --recompute-granularity full: the router's aux loss would be computed "

@@ -29,6 +29,9 @@ class ParallelState:
     #: holding the same experts (their gradients' all-reduce); built only when ep > 1.
     ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
     edp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    #: The ranks holding the same weights (dp x cp), over which gradients and the loss are averaged.
+    dp_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     #: First and last pipeline stage of this rank's pipeline (they share the tied embedding).
     embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
@@ -51,6 +54,10 @@ class ParallelState:
                 group = dist.new_group(ranks, timeout=timeout)
                 if state.rank in ranks:
                     setattr(state, f"{dim}_group", group)
+        for ranks in layout.groups("dp", "cp"):
+            group = dist.new_group(ranks, timeout=timeout) if layout.cp > 1 else None
+            if state.rank in ranks:
+                state.dp_cp_group = group or state.dp_group
         for ranks in layout.groups("pp"):
             ends = sorted({ranks[0], ranks[-1]})
             group = dist.new_group(ends, timeout=timeout)
@@ -86,6 +93,10 @@ class ParallelState:
         return self.layout.dp
 
     @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
     def tp_rank(self) -> int:
         return self.layout.coord(self.rank, "tp")
 
@@ -98,6 +109,10 @@ class ParallelState:
         return self.layout.coord(self.rank, "pp")
 
     @property
+    def cp_rank(self) -> int:
+        return self.layout.coord(self.rank, "cp")
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -107,7 +122,11 @@ class ParallelState:
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of stage ``pp_rank`` in this rank's pipeline."""
-        return self.layout.rank_of(self.tp_rank, self.dp_rank, pp_rank)
+        return self.layout.rank_of(self.tp_rank, self.cp_rank, self.dp_rank, pp_rank)
+
+    def cp_ring(self) -> list[int]:
+        """Global ranks of this rank's context-parallel group, in cp-rank order."""
+        return [self.layout.rank_of(self.tp_rank, i, self.dp_rank, self.pp_rank) for i in range(self.cp)]
 
     def banner(self) -> str:
         """Megatron's start-up line, which the notebooks grep."""

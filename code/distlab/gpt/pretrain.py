@@ -254,7 +254,7 @@ def write_timeline(run: Run) -> None:
     """Gather the last step's F/B spans of every stage (collective per pipeline) and write them."""
     gathered = run.timeline.gather()
     s = run.state
-    if s.tp_rank == 0 and s.dp_rank == 0 and s.is_first_stage:
+    if s.tp_rank == 0 and s.cp_rank == 0 and s.dp_rank == 0 and s.is_first_stage:
         path = save_timeline({**gathered, "iteration": run.iteration}, run.args.pipeline_timeline)
         print_on(
             True,

@@ -5,13 +5,15 @@ micro-batches per rank). Data-parallel rank ``r`` takes, for micro-batch ``k``, 
 
     consumed + k b dp + r b  ...  consumed + k b dp + (r + 1) b - 1
 
-so the union over ranks and micro-batches is the same global batch for every layout. Each
+so the union over ranks and micro-batches is the same global batch for every layout. With
+context parallelism the ``cp`` ranks of a data-parallel rank read the same samples and keep
+``T / cp`` tokens of each (``context_parallel.split_sequence``). Each
 micro-batch loss (mean over its ``b x T`` tokens) is back-propagated as ``loss_k x S / m`` (``S``
 the fp16 loss scale, else 1), gradients accumulate in ``.grad``, and ``gradients.py`` averages
-them over ``dp`` once, after the last backward, so the gradient is the gradient of the global
-batch's mean loss::
+them over ``dp x cp`` once, after the last backward, so the gradient is the gradient of the
+global batch's mean loss (every cp rank's loss is the mean over its T / cp tokens, equally many)::
 
-    g = (1 / dp) sum_r (1 / m) sum_k grad(loss_{r,k})
+    g = (1 / (dp cp)) sum_r (1 / m) sum_k grad(loss_{r,k})
 
 :func:`train_step` is the one step loop (``interfaces.py``); :class:`LocalBackend` is this
 engine's own back end. :func:`forward_backward` runs the micro-batches one after the other
@@ -27,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from distlab.gpt.context_parallel import ring_of, split_sequence
 from distlab.gpt.gpt_dataset import GPTDataset
 from distlab.gpt.gradients import finalize_gradients
 from distlab.gpt.interfaces import (
@@ -52,12 +55,16 @@ def micro_batches(
     state: ParallelState,
     device: torch.device,
 ) -> list[MicroBatch]:
-    """This rank's ``m`` micro-batches of the global batch starting at sample ``consumed``."""
+    """This rank's ``m`` micro-batches of the global batch starting at sample ``consumed``:
+    tokens and labels (b, T), or (b, T / cp) with context parallelism."""
     b, dp = micro_batch_size, state.dp
+    ring = ring_of(state)
     out = []
     for k in range(num_micro_batches):
         start = consumed + k * b * dp + state.dp_rank * b
         tokens, labels = dataset.batch(range(start, start + b))
+        if ring is not None:
+            tokens, labels = split_sequence(tokens, ring), split_sequence(labels, ring)
         out.append((tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True)))
     return out
 
@@ -84,10 +91,11 @@ def forward_backward(
 
 
 def reduce_loss(loss: torch.Tensor, state: ParallelState) -> float:
-    """Mean over the data-parallel group, on every rank of the pipeline (from its last stage)."""
-    if state.dp > 1:
-        dist.all_reduce(loss, group=state.dp_group)
-        loss = loss / state.dp
+    """Mean over the data- and context-parallel group, on every rank of the pipeline (from its
+    last stage)."""
+    if state.dp * state.cp > 1:
+        dist.all_reduce(loss, group=state.dp_cp_group)
+        loss = loss / (state.dp * state.cp)
     if state.pp > 1:
         dist.broadcast(loss, src=state.stage_rank(state.pp - 1), group=state.pp_group)
     return float(loss)

@@ -12,6 +12,7 @@ precision) float, NaN and infinity included; no spec: str, up to the text that f
 module needs only the standard library: the engine prints with it, the notebooks' readers parse::
 
     BANNER         using world size: W, data-parallel-size: DP, tensor-model-parallel size: TP, ...
+    CONTEXT_PARALLEL > context parallelism: cp ranks, sequence s in 2cp chunks of c tokens (how), s/cp tokens per rank, ring attention
     BATCH          > global batch size B = micro batch b x data-parallel DP x accumulation steps m
     VOCAB_PADDING  > padded vocab (size: V0) with k dummy tokens (new size: V)
     PARAMETERS      > number of parameters on (tensor, pipeline) model parallel rank (t, p): N
@@ -118,6 +119,11 @@ PARAMETERS = LogLine(
 )
 #: A rank's coordinates, the ``coords`` of its MEMORY line ("" when there is no layout).
 RANK_COORDS = LogLine(" tp {tp:d} pp {pp:d} dp {dp:d}")
+#: The start-up line of a context-parallel run (``context_parallel.describe``), after the banner.
+CONTEXT_PARALLEL = LogLine(
+    "> context parallelism: {cp:d} ranks, sequence {seq_length:d} in {chunks:d} chunks of {chunk:d} tokens "
+    "({how}), {per_rank:d} tokens per rank, ring attention"
+)
 #: One rank's memory report, in MiB; ``peak_kind``: "peak RSS" (CPU) or "CUDA max allocated".
 MEMORY = LogLine(
     "[rank {rank:d}{coords}] memory (MiB): parameters {params_mib:.2f} ({values:,d} values) | "

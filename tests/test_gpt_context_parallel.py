@@ -1,0 +1,206 @@
+"""Context parallelism: ring attention against full causal attention, the GPT against one process.
+
+Unit level (cp = 2 and 4, both splits): every rank's output and dQ, dK, dV of its own tokens
+equal those of ``F.scaled_dot_product_attention(is_causal=True)`` on the whole sequence, and
+every p2p operation is posted in a batch of one send to the next rank and one receive from the
+previous one. Whole run: a tiny GPT (sequence 16) trains 3 iterations in fp32 with cp = 2,
+cp = 4, cp 2 x tp 2 and cp 2 x pp 2 (one spawn of 4 ranks); losses, gradient norms and the
+validation loss equal the single-process run within 1e-6. Bad layouts are refused before any
+process group exists; notebook 09's exercise check passes only a right run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from distlab.checks import ExerciseError
+from distlab.distributed import free_port
+from distlab.gpt.arguments import parse_args, validate_args
+from distlab.gpt.context_parallel import Ring, describe, pair_work, ring_attention, split_sequence
+from distlab.gpt.layout import Layout
+from distlab.gpt.local_run import prepare_data, pretrain_as_rank
+from distlab.gpt.memory_estimate import MemorySetup, activation_bytes
+from distlab.gpt.parallel_state import ParallelState
+from distlab.logs.exercise import check_long_sequence_run
+from distlab.logs.formats import ITERATION, PREDICTION
+from tests.conftest import assert_same_training, run_gloo
+
+pytestmark = pytest.mark.timeout(300)
+
+RTOL = ATOL = 1e-6
+
+
+def _ring_vs_full(rank: int, ring: Ring) -> None:
+    """cp rank ``rank`` of ``ring``: its output and gradients against the whole sequence's."""
+    cp = ring.size
+    gen = torch.Generator().manual_seed(cp)
+    q, k, v, dout = (torch.randn(2, 3, 8 * cp, 8, generator=gen) for _ in range(4))  # (b, n, T, d)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = F.scaled_dot_product_attention(*ref, is_causal=True)
+    out_ref.backward(dout)
+
+    posted = []
+    batch = dist.batch_isend_irecv
+
+    def recording(ops):
+        posted.append([(op.op.__name__, op.peer) for op in ops])
+        return batch(ops)
+
+    dist.batch_isend_irecv = recording
+    mine = [split_sequence(t, ring, dim=2).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, ring)
+    out.backward(split_sequence(dout, ring, dim=2))
+    dist.batch_isend_irecv = batch
+
+    what = f"cp {cp} rank {rank} balanced={ring.balanced}"
+    torch.testing.assert_close(out, split_sequence(out_ref, ring, dim=2), rtol=RTOL, atol=ATOL, msg=what)
+    for name, local, full in zip("qkv", mine, ref, strict=True):
+        torch.testing.assert_close(
+            local.grad, split_sequence(full.grad, ring, dim=2), rtol=RTOL, atol=ATOL, msg=f"{what}: d{name}"
+        )
+    nxt, prev = ring.ranks[(rank + 1) % cp], ring.ranks[(rank - 1) % cp]
+    # forward: cp-1 K/V hops; backward: cp-1 K/V hops and cp dK/dV hops; each one send + one receive
+    assert len(posted) == 3 * cp - 2, posted
+    assert all(ops == [("isend", nxt), ("irecv", prev)] for ops in posted), posted
+
+
+def _ring_cases(ctx) -> None:
+    """Two rings of 2 ([0, 1] and [2, 3], side by side) and one ring of 4, both splits."""
+    pairs = [[0, 1], [2, 3]]
+    groups = [dist.new_group(p) for p in pairs]
+    pair = ctx.rank // 2
+    for balanced in (True, False):
+        _ring_vs_full(ctx.rank % 2, Ring(groups[pair], tuple(pairs[pair]), ctx.rank % 2, balanced))
+        _ring_vs_full(ctx.rank, Ring(None, (0, 1, 2, 3), ctx.rank, balanced))
+
+
+def test_ring_attention_equals_full_causal_attention() -> None:
+    run_gloo(_ring_cases, 4)
+
+
+def test_balanced_split_gives_every_rank_the_same_work() -> None:
+    """Chunk pairs per rank and ring step: balanced, equal after step 0; contiguous, rank 0 idles."""
+    balanced, contiguous = pair_work(4, True), pair_work(4, False)
+    assert all(sum(row) == sum(balanced[0]) for row in balanced)
+    assert [sum(row) for row in contiguous] == [2.0, 6.0, 10.0, 14.0]  # 1 + 3 + 5 + 7 = 16 + 16 total
+    assert sum(map(sum, balanced)) == sum(map(sum, contiguous)) == 32.0  # (2cp)^2 / 2: half the scores
+    assert contiguous[0][1:] == [0.0, 0.0, 0.0]  # rank 0 waits for the others after its first step
+
+
+# --- the whole GPT ---------------------------------------------------------------------------
+MODEL = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    "--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 "
+    "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
+    "--eval-interval 3 --eval-iters 1 --distributed-backend gloo"
+).split()
+#: name: (world, tp, cp, pp); the reference runs on rank 0 alone.
+RUNS = {
+    "reference": (1, 1, 1, 1),
+    "cp2": (2, 1, 2, 1),
+    "cp4": (4, 1, 4, 1),
+    "cp2-tp2": (4, 2, 2, 1),
+    "cp2-pp2": (4, 1, 2, 2),  # stages exchange (b, T/cp, H)
+}
+
+
+def _worker(rank: int, plan: list, out: str) -> None:
+    torch.set_num_threads(1)
+    for name, world, argv, port in plan:
+        if rank < world:
+            history = pretrain_as_rank(rank, world, port, argv, Path(out, f"{name}.rank{rank}.log"))
+            Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(history))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("gpt_cp")
+    data = prepare_data(base / "data", vocab_size=512, max_files=40).argv()
+    plan = []
+    for name, (world, tp, cp, pp) in RUNS.items():
+        argv = [*MODEL, *data, "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
+                "--pipeline-model-parallel-size", str(pp)]  # fmt: skip
+        plan.append((name, world, argv, free_port()))
+    mp.spawn(_worker, args=(plan, str(base)), nprocs=4, join=True)
+    return base
+
+
+def _history(folder: Path, name: str, rank: int) -> dict:
+    return json.loads((folder / f"{name}.rank{rank}.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["cp2", "cp4", "cp2-tp2", "cp2-pp2"])
+def test_context_parallel_gpt_matches_single_process(runs: Path, name: str) -> None:
+    world, tp, cp, pp = RUNS[name]
+    ref, last = _history(runs, "reference", 0), _history(runs, name, world - 1)
+    assert len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]  # it learns: not vacuous
+    assert_same_training(last, ref, name, tol=RTOL)
+    first = (runs / f"{name}.rank0.log").read_text()
+    assert f"> context parallelism: {cp} ranks, sequence 16 in {2 * cp} chunks" in first
+
+
+# --- refusals ---------------------------------------------------------------------------------
+def test_sequence_not_divisible_by_twice_cp_is_refused(tmp_path) -> None:
+    argv = [*MODEL, "--seq-length", "12", "--max-position-embeddings", "16", "--context-parallel-size", "4"]
+    with pytest.raises(
+        ValueError, match=r"--seq-length 12 is not divisible by 2 x --context-parallel-size 4 = 8"
+    ):
+        validate_args(parse_args(argv), world_size=4)
+
+
+def test_layout_that_does_not_fill_the_world_names_cp() -> None:
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by .*context-parallel size 4.* = 4"):
+        Layout(6, cp=4)
+
+
+def test_context_parallel_with_sharded_back_ends_is_refused() -> None:
+    argv = [*MODEL, "--context-parallel-size", "2", "--use-torch-fsdp2", "--attention-dropout", "0.1"]
+    with pytest.raises(ValueError) as err:
+        validate_args(parse_args(argv), world_size=2)
+    assert "--context-parallel-size 2 with --use-torch-fsdp2" in str(err.value)
+    assert "--context-parallel-size 2 with --attention-dropout 0.1" in str(err.value)
+
+
+def test_predicted_activation_memory_falls_as_one_over_cp() -> None:
+    shape = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=4096, vocab_size=512,
+                 micro_batch_size=1)  # fmt: skip
+    one, two, four = (activation_bytes(MemorySetup(**shape, cp=cp)) for cp in (1, 2, 4))
+    assert two == pytest.approx(one / 2) and four == pytest.approx(one / 4)
+
+
+# --- notebook 09's exercise check ---------------------------------------------------------------
+def _long_run_log(tp: int, cp: int, predicted: float, last_it: int = 2, seq: int = 2048) -> str:
+    world = 4
+    lines = [ParallelState(Layout(world, tp=tp, cp=cp), rank=0).banner()]
+    if cp > 1:
+        lines.append(describe(seq, Ring(None, tuple(range(cp)), 0)))
+    lines.append(PREDICTION.format(predicted=predicted, measured=predicted + 3, how="peak RSS", error=8.0))
+    for it in range(1, last_it + 1):
+        lines.append(ITERATION.format(it=it, total=2, samples=it, ms=900.0, lr=1e-3, gbs=world // (tp * cp),
+                                      loss=8.0, scale=1.0, gnorm=1.0, skipped=0, nan=0))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def test_exercise_check_passes_only_a_finished_run_within_the_budget(capsys) -> None:
+    kw = dict(world_size=4, seq_length=2048, budget_mib=38, max_tp=2)
+    assert check_long_sequence_run(None, **kw) is False
+    assert "[not yet]" in capsys.readouterr().out
+    assert check_long_sequence_run(_long_run_log(1, 4, 34.5), **kw)
+    assert check_long_sequence_run(_long_run_log(2, 2, 35.9), **kw)
+    wrong = {
+        "over the budget (cp 2 x dp 2)": _long_run_log(1, 2, 66.8),
+        "tp 4 crosses the node": _long_run_log(4, 1, 37.0),
+        "did not finish": _long_run_log(1, 4, 34.5, last_it=1),
+        "another sequence": _long_run_log(1, 4, 9.0, seq=512),
+    }
+    for why, log in wrong.items():
+        with pytest.raises(ExerciseError):
+            check_long_sequence_run(log, **kw)
+            pytest.fail(why)
