@@ -243,7 +243,11 @@ def run_layout(pp: int, out: Path) -> None:
     for name, p in model.named_parameters():
         key = "wte.weight" if name == "output_weight" else name  # the last stage's copy of E
         assert_close(
-            p, ref_params[key], rtol=1e-6, atol=1e-6, msg=lambda s, n=name: f"{what}: {n} after {STEPS} steps: {s}"
+            p,
+            ref_params[key],
+            rtol=1e-6,
+            atol=1e-6,
+            msg=lambda s, n=name: f"{what}: {n} after {STEPS} steps: {s}",
         )
     per = CFG["num_layers"] // (2 * pp)  # chunk c of this rank: virtual stage c pp + pp_rank
     assert [int(k) for k in model.layers] == [
