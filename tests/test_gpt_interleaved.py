@@ -21,6 +21,14 @@ from torch.testing import assert_close
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.layout import Layout
+from distlab.gpt.memory_estimate import (
+    MemorySetup,
+    activation_bytes,
+    chunk_layers_bytes,
+    chunks_in_flight,
+    estimate,
+    stage_layers_bytes,
+)
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_interleaved import Round, interleaved_order, p2p_plan
@@ -170,6 +178,27 @@ def test_refusals_name_values_and_fix(tmp_path: Path) -> None:
         interleaved_order(2, 2, 3, 0)
 
 
+# --- the memory estimate -----------------------------------------------------------------------
+def setup(**kw) -> MemorySetup:
+    shape = {k: val for k, val in CFG.items() if k != "max_position_embeddings"} | kw
+    return MemorySetup(**shape, seq_length=T, micro_batch_size=B_MICRO)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (4, 2, 4)])
+def test_estimate_of_interleaving(p: int, v: int, m: int) -> None:
+    """First stage: pp micro-batches x (1 + (pp-1)/(pp v)) of its activations, unless all its
+    v m chunk-forwards fit in the warm-up (p = 4, m = 4: all 8 then)."""
+    plain = setup(num_layers=16, pp=p, num_micro_batches=m)
+    inter = setup(num_layers=16, pp=p, vp=v, num_micro_batches=m)
+    ratio = activation_bytes(inter) / activation_bytes(plain)  # per stage-activation of 1F1B's p
+    expected = min(p * (1 + (p - 1) / (p * v)), m) / min(p, m)
+    assert ratio == pytest.approx(expected)
+    assert chunk_layers_bytes(inter) * v == pytest.approx(stage_layers_bytes(plain))
+    assert estimate(inter).parameters == estimate(plain).parameters  # the same L / pp layers
+    with pytest.raises(ValueError, match="must divide by pp 4 x vp 4"):
+        setup(pp=4, vp=4, num_layers=8)
+
+
 # --- equal to one process, on 8 ranks ---------------------------------------------------------
 def data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     tokens = torch.randint(
@@ -266,6 +295,12 @@ def run_layout(pp: int, out: Path) -> None:
     plan = [b for b in plan if b]
     assert posted[-len(plan) :] == plan, what
     assert tl["theoretical_bubble"] == pytest.approx((pp - 1) / (2 * M + pp - 1))
+    alive = peak = 0  # chunk-activations held between their forward and their backward
+    for kind, _, _ in mine:
+        alive += 1 if kind == "F" else -1
+        peak = max(peak, alive)
+    if state.pp_rank == 0:  # the memory estimator's count for the first stage
+        assert peak == chunks_in_flight(setup(pp=pp, vp=2, num_micro_batches=M)), (what, peak)
     if state.rank == 0:
         (out / f"pp{pp}.json").write_text(json.dumps(tl))
 

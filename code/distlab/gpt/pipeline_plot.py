@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from distlab.gpt.pipeline_timeline import bubble_summary, load_timeline
+from distlab.gpt.pipeline_timeline import bubble_summary, event_label, load_timeline
 
 
 def plot_timelines(timelines: Sequence[dict | str | Path], path: str | Path | None = None):
@@ -36,9 +36,7 @@ def plot_timelines(timelines: Sequence[dict | str | Path], path: str | Path | No
                 ax.text(
                     start + width / 2,
                     e["stage"],
-                    f"{e['kind']}{e['chunk']}.{e['mb']}"
-                    if tl.get("chunks", 1) > 1
-                    else f"{e['kind']}{e['mb']}",
+                    event_label(e, tl.get("chunks", 1)),
                     ha="center",
                     va="center",
                     fontsize=7,

@@ -37,6 +37,13 @@ import torch.distributed as dist
 Event = dict  # {"stage": int, "kind": "F" | "B", "mb": int, "chunk": int, "start": float, "end": float}
 
 
+def event_label(event: Event, chunks: int = 1) -> str:
+    """``F3`` (forward of micro-batch 3), or with interleaving ``F1.3`` (through chunk 1)."""
+    if chunks > 1:
+        return f"{event['kind']}{event['chunk']}.{event['mb']}"
+    return f"{event['kind']}{event['mb']}"
+
+
 def theoretical_bubble(p: int, m: int, v: int = 1) -> float:
     """(p - 1) / (v m + p - 1): idle fraction of an ideal pipeline step (v chunks per rank)."""
     return (p - 1) / (v * m + p - 1)
