@@ -35,7 +35,7 @@ from distlab.gpt.pipeline_interleaved import Round, interleaved_order, p2p_plan
 from distlab.gpt.pipeline_parallel import PipelineForwardBackward
 from distlab.gpt.pipeline_timeline import PipelineTimeline
 from distlab.gpt.pp_communications import P2PSpec
-from distlab.gpt.training import LocalBackend, train_step
+from distlab.gpt.training import LocalBackend, forward_backward, reduce_loss, train_step
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)
@@ -240,9 +240,12 @@ def run_layout(pp: int, out: Path) -> None:
     if dist.get_rank() == 0:
         single = ParallelState(Layout(1), rank=0)
         ref_model = GPTModel(GPTConfig(**CFG), single)
-        ref = [(*train(ref_model, single, all_batches), dict(ref_model.named_parameters()))]
+        ref_run = train(ref_model, single, all_batches)
+        with torch.no_grad():
+            ref_eval = forward_backward(ref_model, all_batches, forward_only=True).item()
+        ref = [(*ref_run, dict(ref_model.named_parameters()), ref_eval)]
     dist.broadcast_object_list(ref, src=0)
-    ref_losses, ref_norms, ref_params = ref[0]
+    ref_losses, ref_norms, ref_params, ref_eval = ref[0]
 
     layout = Layout(world, pp=pp, vp=2, micro_batch_size=B_MICRO, global_batch_size=B_MICRO * dp * M)
     state = ParallelState.build(layout)
@@ -258,9 +261,13 @@ def run_layout(pp: int, out: Path) -> None:
 
     dist.batch_isend_irecv = recording
     try:
-        losses, norms = train(model, state, all_batches[state.dp_rank * M : (state.dp_rank + 1) * M], fb)
+        local = all_batches[state.dp_rank * M : (state.dp_rank + 1) * M]  # this dp rank's micro-batches
+        losses, norms = train(model, state, local, fb)
     finally:
         dist.batch_isend_irecv = real
+    with torch.no_grad():  # evaluation: the interleaved order's forwards only
+        evaluated = reduce_loss(fb(model, local, forward_only=True), state)
+    assert evaluated == pytest.approx(ref_eval, rel=1e-6, abs=1e-6)
 
     what = f"PP{pp} x v2 x DP{dp} rank {state.rank}"
     assert_close(

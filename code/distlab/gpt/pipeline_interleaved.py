@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .pp_communications import exchange
+
 Action = tuple[str, int, int]  # ("F" | "B", chunk, micro-batch)
 Message = tuple[str, int, int]  # ("x" | "dy", receiving virtual stage, micro-batch)
 
@@ -102,3 +104,35 @@ def p2p_plan(p: int, v: int, m: int, rank: int, forward_only: bool = False) -> l
         Round(ops(steps[k - 1] if k else [], sent_by), ops(steps[k] if k < len(steps) else [], _input))
         for k in range(len(steps) + 1)
     ]
+
+
+def run_interleaved(chunks: list, m: int, forward_only: bool = False) -> None:
+    """Megatron's interleaved order over this rank's v chunks, one batch of p2p between steps.
+
+    ``chunks[c]``: chunk c's runner (``pipeline_parallel._Stage``): ``forward(x, i)`` -> y,
+    ``backward(x, y, dy, i)`` -> dx, and the rank's ``state`` and ``spec``.
+    """
+    state, spec, v = chunks[0].state, chunks[0].spec, len(chunks)
+    p, rank = state.pp, state.pp_rank
+    steps = interleaved_order(p, v, m, rank, forward_only)
+    inbox: dict = {}  # message -> received (b, T, H) tensor
+    outbox: dict = {}  # message -> (b, T, H) output waiting for its round
+    saved: dict = {}  # (chunk, micro-batch) -> (x, y) until its backward
+    for k, rnd in enumerate(p2p_plan(p, v, m, rank, forward_only)):
+        if rnd.sends or rnd.recvs:
+            sends = [(outbox.pop(msg), peer) for msg, peer in rnd.sends]
+            got = exchange(state, spec, sends, [peer for _, peer in rnd.recvs])
+            inbox.update(zip([msg for msg, _ in rnd.recvs], got, strict=True))
+        for action in steps[k] if k < len(steps) else []:
+            kind, c, i = action
+            s = c * p + rank  # virtual stage
+            if kind == "F":
+                x = inbox.pop(("x", s, i), None)
+                out = y = chunks[c].forward(x, i)
+                if not forward_only:
+                    saved[c, i] = (x, y)
+            else:
+                out = chunks[c].backward(*saved.pop((c, i)), inbox.pop(("dy", s, i), None), i)
+            to = sent_by(p, v, rank, action)
+            if to is not None:
+                outbox[to[0]] = out

@@ -38,11 +38,10 @@ import torch
 
 from .interfaces import BackwardFn, mean_backward
 from .parallel_state import ParallelState
-from .pipeline_interleaved import ChunkStep, interleaved_order, p2p_plan, sent_by
+from .pipeline_interleaved import ChunkStep, run_interleaved
 from .pipeline_timeline import PipelineTimeline, theoretical_bubble
 from .pp_communications import (
     P2PSpec,
-    exchange,
     recv_backward,
     recv_forward,
     send_backward,
@@ -135,34 +134,6 @@ def run_1f1b(s: _Stage, m: int) -> None:
     for i in range(steady, m):  # cool-down
         dy = recv_backward(state, spec)
         send_backward(s.backward(*saved.popleft(), dy, i), state, spec)
-
-
-def run_interleaved(chunks: list[_Stage], m: int, forward_only: bool = False) -> None:
-    """Megatron's interleaved order over this rank's v chunks, one batch of p2p between steps."""
-    state, spec, v = chunks[0].state, chunks[0].spec, len(chunks)
-    p, rank = state.pp, state.pp_rank
-    steps = interleaved_order(p, v, m, rank, forward_only)
-    inbox: dict = {}  # message -> received (b, T, H) tensor
-    outbox: dict = {}  # message -> (b, T, H) output waiting for its round
-    saved: dict = {}  # (chunk, micro-batch) -> (x, y) until its backward
-    for k, rnd in enumerate(p2p_plan(p, v, m, rank, forward_only)):
-        if rnd.sends or rnd.recvs:
-            sends = [(outbox.pop(msg), peer) for msg, peer in rnd.sends]
-            got = exchange(state, spec, sends, [peer for _, peer in rnd.recvs])
-            inbox.update(zip([msg for msg, _ in rnd.recvs], got, strict=True))
-        for action in steps[k] if k < len(steps) else []:
-            kind, c, i = action
-            s = c * p + rank  # virtual stage
-            if kind == "F":
-                x = inbox.pop(("x", s, i), None)
-                out = y = chunks[c].forward(x, i)
-                if not forward_only:
-                    saved[c, i] = (x, y)
-            else:
-                out = chunks[c].backward(*saved.pop((c, i)), inbox.pop(("dy", s, i), None), i)
-            to = sent_by(p, v, rank, action)
-            if to is not None:
-                outbox[to[0]] = out
 
 
 def _stages(step, state, spec, timeline, backward, m: int, chunks: int) -> list[_Stage]:
