@@ -8,13 +8,12 @@ plain stage's, and the pipeline fills and drains ``v`` times faster::
     bubble / ideal time = (p - 1) / (v m)      against (p - 1) / m for 1F1B
     bubble / step       = (p - 1) / (v m + p - 1)
 
-for the price of ``v`` times more point-to-point messages.
+for the price of more point-to-point messages: ``2 m (v p - 1)`` per step instead of ``2 m (p - 1)``.
 
 Order (Megatron-LM's ``forward_backward_pipelining_with_interleaving``): the micro-batches go
 in groups of ``p``; the ``v m`` forwards of a rank run group by group, chunk 0 then chunk 1 ...
 over the group's ``p`` micro-batches (``m`` must be a multiple of ``p``: ``layout.py`` checks
-it, with the layers' division into ``p v`` chunks); the backwards in the
-same order with the chunks reversed. Rank ``r`` runs ``W = min(2 (p - r - 1) + (v - 1) p, v m)``
+it, and that ``p v`` divides L); the backwards in the same order with the chunks reversed. Rank ``r`` runs ``W = min(2 (p - r - 1) + (v - 1) p, v m)``
 warm-up forwards, then one forward / one backward, then the cool-down backwards. With p = 2,
 v = 2, m = 4 (F/B chunk.micro-batch)::
 
@@ -25,8 +24,8 @@ Communication (:func:`p2p_plan`): between two steps, ONE batch of point-to-point
 (``pp_communications.exchange``): the outputs of the step just run, and the inputs of the next
 one. Operations to or from one peer are posted activations first, gradients second, on both
 sides: with p = 2 a rank's previous and next rank are the same peer, and NCCL matches a pair's
-operations in the order they are posted (Megatron-LM refuses p = 2 without
-``--overlap-p2p-comm``, whose order differs). ``tests/test_gpt_interleaved.py`` simulates every
+operations in the order they are posted (Megatron-LM refuses p = 2 with
+``--no-overlap-p2p-communication``, whose single batch posts them in different orders). ``tests/test_gpt_interleaved.py`` simulates every
 rank's batches for deadlocks and mismatched messages.
 """
 
