@@ -22,6 +22,7 @@ from distlab.gpt import deepspeed_config
 from distlab.gpt.fault_handling import SIGNALS
 from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
 from distlab.gpt.moe import moe_errors
+from distlab.gpt.pipeline_parallel import check_schedule
 from distlab.gpt.recompute import granularity_of, recompute_errors
 
 
@@ -66,7 +67,8 @@ class PretrainArgs:
     )
     recompute_num_layers: int = _f(
         None,
-        "with --recompute-granularity full: blocks per group (uniform) or per stage (block), 1 to L / pp",
+        "with --recompute-granularity full: blocks per group (uniform) or per stage (block), 1 to L / pp "
+        "(per model chunk with interleaving: 1 to L / (pp v))",
     )
     attention_backend: str = _f(
         "auto",
@@ -174,6 +176,14 @@ class PretrainArgs:
         "ranks sharing each sequence (context parallelism: ring attention); --seq-length must divide by 2x it",
     )
     pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
+    num_layers_per_virtual_pipeline_stage: int = _f(
+        None, "layers per model chunk: each pipeline rank holds v = L / (pp x this) chunks (interleaved 1F1B)"
+    )
+    virtual_pipeline_model_parallel_size: int = _f(
+        None,
+        "v, model chunks per pipeline rank (interleaved 1F1B); Megatron-LM now spells it "
+        "--num-virtual-stages-per-pipeline-rank, also accepted",
+    )
     pipeline_timeline: str = _f(None, "pp > 1: write the last step's F/B times per stage as JSON")
     # --- mixture of experts (Megatron-LM's --num-experts and --moe-*) ---
     num_experts: int = _f(
@@ -262,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
             meta.setdefault("type", kind)
             parser.add_argument(flag, default=f.default, help=help_, **meta)
     parser.add_argument("--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)
+    parser.add_argument(  # Megatron-LM's current name for the same field
+        "--num-virtual-stages-per-pipeline-rank", type=int, dest="virtual_pipeline_model_parallel_size",
+        help="the same as --virtual-pipeline-model-parallel-size",
+    )  # fmt: skip
     parser.add_argument(  # Megatron-LM's switch for the same field
         "--torch-fsdp2-no-reshard-after-forward", action="store_false", dest="torch_fsdp2_reshard_after_forward",
         help="the same as --torch-fsdp2-reshard-after-forward False",
@@ -319,6 +333,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_recompute_errors(args, layout),
         *moe_errors(args, layout),
         *_context_parallel_errors(args, layout),
+        *_interleaving_errors(args, layout),
     ]
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))
@@ -348,6 +363,7 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
             f"--expert-model-parallel-size {args.expert_model_parallel_size} needs --num-experts: "
             f"expert parallelism splits the experts of a mixture-of-experts MLP"
         )
+    args.virtual_pipeline_model_parallel_size = virtual_stages(args)
     return Layout(
         world_size,
         tp=args.tensor_model_parallel_size,
@@ -357,7 +373,27 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         batch_schedule=schedule,
+        vp=args.virtual_pipeline_model_parallel_size,
     )
+
+
+def virtual_stages(args: PretrainArgs) -> int:
+    """v, model chunks per pipeline rank, from either of Megatron's two flags (1: no interleaving)."""
+    per_chunk, v = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
+    if per_chunk is not None and v is not None:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {per_chunk} and --virtual-pipeline-model-parallel-size "
+            f"{v} were both given: choose one"
+        )
+    if per_chunk is None:
+        return 1 if v is None else v
+    L, pp = args.num_layers, args.pipeline_model_parallel_size
+    if per_chunk < 1 or L % pp or (L // pp) % per_chunk:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {per_chunk} must divide the --num-layers {L} / "
+            f"--pipeline-model-parallel-size {pp} layers of a pipeline rank"
+        )
+    return L // pp // per_chunk
 
 
 def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
@@ -552,7 +588,7 @@ def _recompute_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         granularity_of(args.recompute_activations, args.recompute_granularity),
         args.recompute_method,
         args.recompute_num_layers,
-        args.num_layers // layout.pp,
+        args.num_layers // (layout.pp * layout.vp),
     )
 
 
@@ -574,6 +610,21 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         if given
     ]  # fmt: skip
     return errors
+
+
+def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """v > 1 (its sizes are checked by the layout): the interleaved schedule is a 1F1B, with a
+    whole sequence per rank."""
+    try:
+        check_schedule(args.pipeline_schedule, layout.vp)
+    except ValueError as e:
+        return [str(e)]
+    if layout.vp > 1 and layout.cp > 1:
+        return [
+            f"--context-parallel-size {layout.cp} with an interleaved pipeline (v = {layout.vp}): not "
+            f"combined in this engine; drop the virtual-pipeline flag or set --context-parallel-size 1"
+        ]
+    return []
 
 
 def profile_ranks(args: PretrainArgs) -> set[int]:

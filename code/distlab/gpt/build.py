@@ -185,7 +185,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     if args.load:
         load(run)
     if state.pp > 1:
-        print_on(rank0, describe(args.pipeline_schedule, state.pp, layout.num_micro_batches))
+        print_on(rank0, describe(args.pipeline_schedule, state.pp, layout.num_micro_batches, state.vp))
     return run
 
 
@@ -292,7 +292,7 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
 def _build_forward_backward(
     args: PretrainArgs, state: ParallelState, device: torch.device, timeline: PipelineTimeline | None
 ) -> Callable[..., torch.Tensor]:
-    """pp = 1: a loop over the micro-batches; pp > 1: the GPipe or 1F1B schedule."""
+    """pp = 1: a loop over the micro-batches; pp > 1: GPipe, 1F1B or interleaved 1F1B (v > 1)."""
     if state.pp == 1:
         return forward_backward
     shape = (
@@ -301,7 +301,9 @@ def _build_forward_backward(
         args.hidden_size,
     )  # (b, T/cp, H) between stages
     spec = P2PSpec(shape, torch.float32, device, timeout_s=60 * args.distributed_timeout_minutes)
-    return PipelineForwardBackward(state, spec, schedule=args.pipeline_schedule, timeline=timeline)
+    return PipelineForwardBackward(
+        state, spec, schedule=args.pipeline_schedule, timeline=timeline, chunks=state.vp
+    )
 
 
 def load(run: Run) -> None:

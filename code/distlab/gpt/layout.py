@@ -75,6 +75,8 @@ class Layout:
     """The final global batch B; None: ``b x dp`` (one micro-batch per step)."""
     batch_schedule: tuple[tuple[int, int], ...] = field(default=())
     """``(first sample, global batch)`` steps of a ramp, ending at B; empty: B throughout."""
+    vp: int = 1
+    """v, model chunks (virtual pipeline stages) per pipeline rank: interleaved 1F1B when > 1."""
 
     def __post_init__(self) -> None:
         given = {d: getattr(self, d) for d in ORDER if d != "dp"}
@@ -92,6 +94,7 @@ class Layout:
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.dp)
         self._check_batch()
+        self._check_interleaving()
 
     # --- ranks ---------------------------------------------------------------------------
     @property
@@ -177,9 +180,10 @@ class Layout:
             errors.append(
                 f"--hidden-size {hidden_size} is not divisible by --tensor-model-parallel-size {self.tp}"
             )
-        if num_layers % self.pp:
+        if num_layers % (self.pp * self.vp):
+            chunks = f" x {self.vp} virtual stages per rank = {self.pp * self.vp}" if self.vp > 1 else ""
             errors.append(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {self.pp}"
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {self.pp}{chunks}"
             )
         if errors:
             raise ValueError(
@@ -202,6 +206,28 @@ class Layout:
 
     def micro_batches_at(self, consumed_samples: int) -> int:
         return self.global_batch_at(consumed_samples) // (self.micro_batch_size * self.dp)
+
+    def _check_interleaving(self) -> None:
+        """Megatron's rules for v > 1: a pipeline to interleave, micro-batches in groups of pp."""
+        if self.vp < 1:
+            raise ValueError(f"the virtual pipeline size must be >= 1, got {self.vp}")
+        if self.vp == 1:
+            return
+        if self.pp == 1:
+            raise ValueError(
+                f"{self.vp} virtual pipeline stages per rank need --pipeline-model-parallel-size > 1, got 1: "
+                "drop --num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size"
+            )
+        sizes = sorted({size for _, size in self.batch_schedule} | {self.global_batch_size})
+        bad = [size // (self.micro_batch_size * self.dp) for size in sizes]
+        bad = [m for m in bad if m % self.pp]
+        if bad:
+            raise ValueError(
+                f"the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size "
+                f"{self.pp}: {bad[0]} micro-batches per step (--global-batch-size / (--micro-batch-size "
+                f"{self.micro_batch_size} x data-parallel size {self.dp})) is not a multiple of {self.pp}: "
+                f"use a global batch that is a multiple of {self.pp * self.micro_batch_size * self.dp}"
+            )
 
     def _check_batch(self) -> None:
         b, gbs = self.micro_batch_size, self.global_batch_size

@@ -65,6 +65,16 @@ Gradients are all-reduced over dp x cp through one flat copy.
 
 **Pipelines**: a stage holds L / pp layers; the first stage keeps the activations of
 min(pp, M) micro-batches under 1F1B, of all M under GPipe.
+
+**Interleaved 1F1B** (v = ``vp`` chunks of L / (pp v) layers per rank, ``pipeline_interleaved.py``):
+the first stage runs W = 2 (pp - 1) + (v - 1) pp warm-up chunk-forwards, then one more forward
+before its first backward, so at its peak it holds min(W + 1, v M) chunk-activations of
+L / (pp v) layers each. In units of one micro-batch through the whole stage (L / pp layers)::
+
+    (W + 1) / v = (2 pp - 1 + (v - 1) pp) / v = pp (1 + (pp - 1) / (pp v))
+
+pp micro-batches' activations times (1 + (pp - 1)/(pp v)), Megatron-LM's figure (Narayanan et
+al. 2021): interleaving costs the first stage (pp - 1)/v more stage-activations than 1F1B's pp.
 """
 
 from __future__ import annotations
@@ -123,6 +133,8 @@ class MemorySetup:
     cp: int = 1
     """Context parallelism: s / cp tokens of every sample on this rank."""
     pipeline_schedule: str = "1f1b"
+    vp: int = 1
+    """v, model chunks per pipeline rank (interleaved 1F1B when > 1)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3 (0: plain data parallelism, DDP)."""
     offload: bool = False
@@ -142,10 +154,10 @@ class MemorySetup:
             raise ValueError(f"precision {self.precision!r} must be fp32, fp16 or bf16")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero stage {self.zero_stage} must be 0, 1, 2 or 3")
-        if self.num_layers % self.pp or self.hidden_size % self.num_attention_heads:
+        if self.num_layers % (self.pp * self.vp) or self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"layers {self.num_layers} must divide by pp {self.pp} and hidden {self.hidden_size} "
-                f"by heads {self.num_attention_heads}"
+                f"layers {self.num_layers} must divide by pp {self.pp} x vp {self.vp} and hidden "
+                f"{self.hidden_size} by heads {self.num_attention_heads}"
             )
         if self.cp > 1 and self.seq_length % (2 * self.cp):
             raise ValueError(f"sequence {self.seq_length} must divide by 2 x cp {self.cp}")
@@ -157,7 +169,7 @@ class MemorySetup:
             self.recompute_granularity,
             self.recompute_method,
             self.recompute_num_layers,
-            self.num_layers // self.pp,
+            self.num_layers // (self.pp * self.vp),
         )
         if errors:
             raise ValueError("; ".join(errors))
@@ -187,6 +199,7 @@ class MemorySetup:
             dp=layout.dp,
             cp=layout.cp,
             pipeline_schedule=args.pipeline_schedule,
+            vp=layout.vp,
             zero_stage=zero.get("stage", 0),
             offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
             or (args.use_torch_fsdp2 and args.torch_fsdp2_cpu_offload),
@@ -247,16 +260,36 @@ def block_bytes(c: MemorySetup) -> float:
 
 
 def _groups(c: MemorySetup) -> list[tuple[int, int, bool]]:
-    n = c.num_layers // c.pp
+    n = c.num_layers // (c.pp * c.vp)  # recomputation groups are per model chunk
     return checkpoint_groups(n, c.recompute_granularity, c.recompute_method, c.recompute_num_layers)
 
 
-def stage_layers_bytes(c: MemorySetup) -> float:
-    """The stage's blocks' stored activations for one micro-batch, by recomputation mode."""
+def chunk_layers_bytes(c: MemorySetup) -> float:
+    """One model chunk's (L / (pp v) blocks) stored activations for one micro-batch, by
+    recomputation mode; with v = 1 the chunk is the stage."""
     if c.recompute_granularity == "selective":
-        return (c.num_layers // c.pp) * (block_bytes(c) - scores_bytes(c))
+        return (c.num_layers // (c.pp * c.vp)) * (block_bytes(c) - scores_bytes(c))
     kept = [4 * _sbh(c) if ckpt else (end - first) * block_bytes(c) for first, end, ckpt in _groups(c)]
     return sum(kept)  # a checkpointed group keeps its fp32 input only
+
+
+def stage_layers_bytes(c: MemorySetup) -> float:
+    """The stage's blocks' (all its chunks') stored activations for one micro-batch."""
+    return c.vp * chunk_layers_bytes(c)
+
+
+def chunks_in_flight(c: MemorySetup) -> int:
+    """Chunk-forwards (micro-batch, chunk) whose activations the first stage holds at its peak:
+    1 without a pipeline, M under GPipe, min(pp, M) under 1F1B, min(W + 1, v M) interleaved."""
+    m = c.num_micro_batches
+    if c.pp == 1:
+        return 1
+    if c.pipeline_schedule == "gpipe":
+        return m
+    if c.vp == 1:
+        return min(c.pp, m)
+    warmup = 2 * (c.pp - 1) + (c.vp - 1) * c.pp
+    return min(warmup + 1, c.vp * m)
 
 
 def recompute_extra_bytes(c: MemorySetup) -> float:
@@ -276,10 +309,7 @@ def head_bytes(c: MemorySetup) -> float:
 
 def activation_bytes(c: MemorySetup) -> float:
     """Peak activations on the first stage (with pp = 1 also the last: it adds the head)."""
-    alive = 1
-    if c.pp > 1:
-        alive = min(c.pp, c.num_micro_batches) if c.pipeline_schedule == "1f1b" else c.num_micro_batches
-    layers = stage_layers_bytes(c) * alive
+    layers = chunk_layers_bytes(c) * chunks_in_flight(c)
     head = head_bytes(c) if c.pp == 1 else 0.0
     return layers + max(head, recompute_extra_bytes(c))  # the head's backward ends before a rebuild
 

@@ -16,9 +16,14 @@ no group: one code path for every layout. The qkv output features are ordered
 
 Pipeline parallelism (``pipeline_parallel.py``): a stage holds the embedding only if it is the
 first, blocks ``[pp_rank L / pp, (pp_rank + 1) L / pp)`` (keyed by their *global* index), and
-the final LayerNorm + output head only if it is the last. A last stage that is not also the
-first holds its own copy of E (``output_weight``); the initialiser makes it equal to the first
-stage's E (same name, same seed), and ``gradients.py`` sums the two gradients, so they stay equal.
+the final LayerNorm + output head only if it is the last. Interleaved (``v = state.vp > 1``
+chunks per rank): chunk ``c`` holds the ``L / (pp v)`` blocks of virtual stage ``c pp + pp_rank``,
+``forward(..., chunk=c)`` runs them, the embedding before chunk 0 of the first stage, the head
+after chunk ``v - 1`` of the last; all chunks are one module, so the optimizer, the gradient
+reduction and the checkpoints see every chunk's parameters, by their global names.
+A last stage that is not also the first holds its own copy of E (``output_weight``); the
+initialiser makes it equal to the first stage's E (same name, same seed), and ``gradients.py``
+sums the two gradients, so they stay equal.
 
 Mixture of experts (``moe.py``, ``expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
 becomes a router and E experts, split over the ep ranks of the layout's expert groups; the last
@@ -206,7 +211,7 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: GPTConfig, state: ParallelState | None = None) -> None:
         super().__init__()
         self.cfg, self.state = cfg, state
-        tp, pp = (state.tp, state.pp) if state is not None else (1, 1)
+        tp, pp, vp = (state.tp, state.pp, state.vp) if state is not None else (1, 1, 1)
         pp_rank = state.pp_rank if state is not None else 0
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
         self.tp_group = state.tp_group if tp > 1 else None  # None: every operator is the identity
@@ -220,20 +225,21 @@ class GPTModel(nn.Module):
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=self.tp_group)
             self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # P: (T_max, H)
             self.drop = nn.Dropout(cfg.hidden_dropout)
-        per_stage = cfg.num_layers // pp
+        self.chunks, self.per_chunk = vp, cfg.num_layers // (pp * vp)
         errors = recompute_errors(
-            cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers, per_stage
+            cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers, self.per_chunk
         )
         if errors:
             raise ValueError("; ".join(errors))
         self.groups = checkpoint_groups(
-            per_stage, cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers
+            self.per_chunk, cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers
         )
-        first_layer = pp_rank * per_stage
+        firsts = [(c * pp + pp_rank) * self.per_chunk for c in range(vp)]  # virtual stage c pp + pp_rank
         self.layers = nn.ModuleDict(
             {
                 str(i): Block(cfg, self.tp_group, tp, state, self.ring)
-                for i in range(first_layer, first_layer + per_stage)
+                for f in firsts
+                for i in range(f, f + self.per_chunk)
             }
         )
         if self.is_last:
@@ -261,11 +267,13 @@ class GPTModel(nn.Module):
             return None
         return self.output_embedding()
 
-    def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (b, T) -> per-token loss (b, T) if labels are given on the last stage, logits
-        (b, T, V) without labels, hidden states (b, T, H) on other stages (T: this rank's
-        T / cp tokens with context parallelism)."""
-        if self.is_first:
+    def forward(
+        self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None, chunk: int = 0
+    ) -> torch.Tensor:
+        """tokens (b, T) -> per-token loss (b, T) if labels are given on the last (virtual) stage,
+        logits (b, T, V) without labels, hidden states (b, T, H) on other stages and chunks (T: this
+        rank's T / cp tokens with context parallelism)."""
+        if self.is_first and chunk == 0:
             T = tokens.shape[1]
             pos = (
                 torch.arange(T, device=tokens.device)
@@ -275,13 +283,13 @@ class GPTModel(nn.Module):
             h = self.drop(self.wte(tokens) + self.wpe(pos))  # (b, T, H)
         else:
             h = self.input_tensor
-        blocks = list(self.layers.values())
+        blocks = list(self.layers.values())[chunk * self.per_chunk : (chunk + 1) * self.per_chunk]
         for first, end, checkpointed in self.groups:  # full recomputation: keep each group's input only
             if checkpointed and self.training:
                 h = checkpoint(_run_blocks, blocks[first:end], h, use_reentrant=False)
             else:
                 h = _run_blocks(blocks[first:end], h)
-        if not self.is_last:
+        if not (self.is_last and chunk == self.chunks - 1):
             return h
         logits = parallel_lm_logits(self.ln_f(h), self.output_embedding(), self.tp_group)  # (b, T, V/tp)
         if labels is None:

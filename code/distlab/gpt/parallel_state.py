@@ -97,6 +97,11 @@ class ParallelState:
         return self.layout.cp
 
     @property
+    def vp(self) -> int:
+        """v, model chunks this rank holds (interleaved 1F1B when > 1)."""
+        return self.layout.vp
+
+    @property
     def tp_rank(self) -> int:
         return self.layout.coord(self.rank, "tp")
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: activations over point-to-point links, GPipe and 1F1B schedules.
+"""Pipeline parallelism: activations over point-to-point links, GPipe, 1F1B, interleaved 1F1B.
 
 The model's L layers are split into ``p`` stages (``L / p`` consecutive layers each); a batch is
 split into ``m`` micro-batches. Stage ``s`` receives its input (b, T, H) from stage ``s-1``,
@@ -14,6 +14,9 @@ sends the input's gradient to ``s-1``. F_i / B_i are the forward / backward of m
 Both leave the same idle time (the bubble), a fraction ``(p-1)/(m+p-1)`` of the step when all
 F and all B take the same time; 1F1B's gain is memory. Both compute the same gradients: each is
 the sum over micro-batches of ``d(loss_i / m)``, accumulated in ``.grad``.
+
+Interleaved 1F1B (``chunks = v > 1``, ``pipeline_interleaved.py``): each rank holds v chunks
+of ``L / (p v)`` layers and runs Megatron's interleaved order; bubble ``(p-1)/(v m + p - 1)``.
 
 Communication: only the named steps of ``pp_communications.py``, each one batch of point-to-point
 operations. Gradient finalisation (tied embedding, data parallel, norm, clipping) follows the
@@ -35,6 +38,7 @@ import torch
 
 from .interfaces import BackwardFn, mean_backward
 from .parallel_state import ParallelState
+from .pipeline_interleaved import ChunkStep, run_interleaved
 from .pipeline_timeline import PipelineTimeline, theoretical_bubble
 from .pp_communications import (
     P2PSpec,
@@ -64,15 +68,17 @@ class _Stage:
     timeline: PipelineTimeline | None
     backward_fn: BackwardFn  # the back end's hook, on the last stage's loss: d(loss_i x S / m)
     m: int
+    is_last: bool  # the last (virtual) stage: its step returns the loss
+    chunk: int = 0  # which of this rank's model chunks (interleaved schedule)
     losses: list[torch.Tensor] = field(default_factory=list)  # on the last stage
 
     def forward(self, x: torch.Tensor | None, i: int) -> torch.Tensor:
         """F_i: (b, T, H) out, or on the last stage the loss (its value also kept in losses)."""
         if x is not None:
             x.requires_grad_()
-        with self.timeline.record("F", i) if self.timeline else nullcontext():
+        with self.timeline.record("F", i, self.chunk) if self.timeline else nullcontext():
             y = self.step(x, i)
-        if not self.state.is_last_stage:
+        if not self.is_last:
             return y
         if y.dim() != 0:
             raise ValueError(f"the last stage's step must return a scalar loss, got shape {tuple(y.shape)}")
@@ -81,8 +87,8 @@ class _Stage:
 
     def backward(self, x: torch.Tensor | None, y: torch.Tensor, dy: torch.Tensor | None, i: int):
         """B_i: back-propagate dy (on the last stage, y is the loss: the back end's hook); return dx."""
-        with self.timeline.record("B", i) if self.timeline else nullcontext():
-            if self.state.is_last_stage:
+        with self.timeline.record("B", i, self.chunk) if self.timeline else nullcontext():
+            if self.is_last:
                 self.backward_fn(y, i, self.m)
             else:
                 torch.autograd.backward(y, grad_tensors=dy.to(y.dtype))  # dy travelled as spec.dtype
@@ -130,8 +136,23 @@ def run_1f1b(s: _Stage, m: int) -> None:
         send_backward(s.backward(*saved.popleft(), dy, i), state, spec)
 
 
+def _stages(step, state, spec, timeline, backward, m: int, chunks: int) -> list[_Stage]:
+    """One runner per model chunk; the last stage's last chunk returns the loss."""
+    if chunks == 1:
+        return [_Stage(step, state, spec, timeline, backward, m, state.is_last_stage)]
+    return [
+        _Stage(partial(_chunk_step, step, c), state, spec, timeline, backward, m,
+               state.is_last_stage and c == chunks - 1, chunk=c)
+        for c in range(chunks)
+    ]  # fmt: skip
+
+
+def _chunk_step(step: ChunkStep, chunk: int, x: torch.Tensor | None, i: int) -> torch.Tensor:
+    return step(x, i, chunk)
+
+
 def forward_backward_pipeline(
-    step: StageStep,
+    step: StageStep | ChunkStep,
     *,
     num_microbatches: int,
     state: ParallelState,
@@ -139,31 +160,44 @@ def forward_backward_pipeline(
     schedule: str = "1f1b",
     timeline: PipelineTimeline | None = None,
     backward: BackwardFn = mean_backward,
+    chunks: int = 1,
 ) -> list[torch.Tensor]:
     """Run one batch through this rank's stage; gradients accumulate in ``.grad``.
 
     On the last stage ``backward(loss_i, i, m)`` back-propagates each micro-batch's loss (the
     back end's hook: ``loss_i x S / m``, ``S`` fp16's scale); the other stages back-propagate
-    the gradient they receive.
+    the gradient they receive. ``chunks = v > 1``: interleaved 1F1B, ``step(x, i, chunk)``.
     Returns the m per-micro-batch losses (detached, unscaled) on the last stage, ``[]``
     elsewhere. Finalise the gradients afterwards (``gradients.finalize_gradients``).
     """
-    check_schedule(schedule)
-    if num_microbatches < 1:
-        raise ValueError(f"the pipeline needs >= 1 micro-batch per step, got {num_microbatches}")
-    run = run_gpipe if schedule == "gpipe" else run_1f1b
+    check_schedule(schedule, chunks)
+    m = num_microbatches
+    if m < 1:
+        raise ValueError(f"the pipeline needs >= 1 micro-batch per step, got {m}")
     if timeline is not None:
-        timeline.start_step(schedule, num_microbatches)
-    stage = _Stage(step, state, spec, timeline, backward, num_microbatches)
-    run(stage, num_microbatches)
-    return stage.losses
+        timeline.start_step(schedule, m, chunks)
+    stages = _stages(step, state, spec, timeline, backward, m, chunks)
+    if chunks > 1:
+        run_interleaved(stages, m)
+    else:
+        (run_gpipe if schedule == "gpipe" else run_1f1b)(stages[0], m)
+    return stages[-1].losses
 
 
 @torch.no_grad()
 def forward_only_pipeline(
-    step: StageStep, *, num_microbatches: int, state: ParallelState, spec: P2PSpec
+    step: StageStep | ChunkStep,
+    *,
+    num_microbatches: int,
+    state: ParallelState,
+    spec: P2PSpec,
+    chunks: int = 1,
 ) -> list[torch.Tensor]:
     """Evaluation: forwards only, each sent on at once; the losses on the last stage."""
+    if chunks > 1:
+        stages = _stages(step, state, spec, None, mean_backward, num_microbatches, chunks)
+        run_interleaved(stages, num_microbatches, forward_only=True)
+        return stages[-1].losses
     losses: list[torch.Tensor] = []
     for i in range(num_microbatches):
         y = step(recv_forward(state, spec), i)
@@ -173,13 +207,23 @@ def forward_only_pipeline(
     return losses
 
 
-def check_schedule(schedule: str) -> None:
+def check_schedule(schedule: str, chunks: int = 1) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"--pipeline-schedule {schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
+    if chunks > 1 and schedule != "1f1b":
+        raise ValueError(
+            f"--pipeline-schedule {schedule} with {chunks} virtual stages per rank: the interleaved "
+            "schedule is a 1F1B, use --pipeline-schedule 1f1b"
+        )
 
 
-def describe(schedule: str, p: int, m: int) -> str:
+def describe(schedule: str, p: int, m: int, v: int = 1) -> str:
     """The start-up line of a pipelined run."""
+    if v > 1:
+        return (
+            f"> pipeline schedule interleaved {schedule}: {p} stages x {v} chunks x {m} micro-batches "
+            f"per step, theoretical bubble (p-1)/(vm+p-1) = {theoretical_bubble(p, m, v):.1%}"
+        )
     return (
         f"> pipeline schedule {schedule}: {p} stages x {m} micro-batches per step, "
         f"theoretical bubble (p-1)/(m+p-1) = {theoretical_bubble(p, m):.1%}"
@@ -188,10 +232,12 @@ def describe(schedule: str, p: int, m: int) -> str:
 
 @dataclass
 class PipelineForwardBackward:
-    """``training.forward_backward`` for pp > 1: the same call, run through GPipe or 1F1B.
+    """``training.forward_backward`` for pp > 1: the same call, run through GPipe, 1F1B or
+    (``chunks > 1``) interleaved 1F1B.
 
-    For a stage model with ``set_input_tensor(x)`` and ``forward(tokens, labels)`` returning
-    per-token losses (b, T) on the last stage and hidden states (b, T, H) elsewhere. Returns the
+    For a stage model with ``set_input_tensor(x)`` and ``forward(tokens, labels, chunk)``
+    returning per-token losses (b, T) on the last virtual stage and hidden states (b, T, H)
+    elsewhere. Returns the
     mean micro-batch loss on the last stage (zero elsewhere; ``training.reduce_loss``
     broadcasts it).
     """
@@ -200,17 +246,19 @@ class PipelineForwardBackward:
     spec: P2PSpec
     schedule: str = "1f1b"
     timeline: PipelineTimeline | None = None
+    chunks: int = 1  # v, model chunks per rank
 
     def __post_init__(self) -> None:
-        check_schedule(self.schedule)
+        check_schedule(self.schedule, self.chunks)
 
-    def _step(self, model, batches, autocast, x: torch.Tensor | None, i: int) -> torch.Tensor:
-        """Stage forward of micro-batch i: a scalar loss on the last stage, else (b, T, H)."""
+    def _step(self, model, batches, autocast, x: torch.Tensor | None, i: int, chunk: int = 0) -> torch.Tensor:
+        """Chunk forward of micro-batch i: a scalar loss on the last virtual stage, else (b, T, H)."""
         model.set_input_tensor(x)
         tokens, labels = batches[i]
         with autocast():
-            out = model(tokens, labels)
-        return out.float().mean() if self.state.is_last_stage else out
+            out = model(tokens, labels, chunk=chunk)
+        last = self.state.is_last_stage and chunk == self.chunks - 1
+        return out.float().mean() if last else out
 
     def __call__(
         self,
@@ -222,7 +270,7 @@ class PipelineForwardBackward:
         forward_only: bool = False,
     ) -> torch.Tensor:
         step = partial(self._step, model, batches, autocast)
-        kw = dict(num_microbatches=len(batches), state=self.state, spec=self.spec)
+        kw = dict(num_microbatches=len(batches), state=self.state, spec=self.spec, chunks=self.chunks)
         if forward_only:
             losses = forward_only_pipeline(step, **kw)
         else:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from distlab.gpt.pipeline_timeline import bubble_summary, load_timeline
+from distlab.gpt.pipeline_timeline import bubble_summary, event_label, load_timeline
 
 
 def plot_timelines(timelines: Sequence[dict | str | Path], path: str | Path | None = None):
-    """One Gantt chart per timeline (stage 0 on top, F blue, B orange, micro-batch numbers).
+    """One Gantt chart per timeline (stage 0 on top, F blue, B orange, micro-batch numbers; with
+    interleaving odd chunks lighter, labels ``chunk.micro-batch``).
 
     Accepts gathered dicts or JSON paths; saves a PNG when ``path`` is given; returns the figure.
     """
@@ -23,18 +24,19 @@ def plot_timelines(timelines: Sequence[dict | str | Path], path: str | Path | No
     fig, axes = plt.subplots(
         len(tls), 1, figsize=(11, 1.2 + 0.6 * sum(t["stages"] for t in tls)), squeeze=False
     )
-    colors = {"F": "#4c72b0", "B": "#dd8452"}
+    colors = {("F", 0): "#4c72b0", ("B", 0): "#dd8452", ("F", 1): "#8fb0e0", ("B", 1): "#f0b48a"}
     for ax, tl in zip(axes[:, 0], tls, strict=True):
         t_min = min(e["start"] for e in tl["events"])
         span = (max(e["end"] for e in tl["events"]) - t_min) * 1e3
         for e in tl["events"]:
             start, width = (e["start"] - t_min) * 1e3, (e["end"] - e["start"]) * 1e3  # ms
-            ax.barh(e["stage"], width, left=start, color=colors[e["kind"]], edgecolor="black", linewidth=0.5)
+            color = colors[e["kind"], e.get("chunk", 0) % 2]
+            ax.barh(e["stage"], width, left=start, color=color, edgecolor="black", linewidth=0.5)
             if width > 0.02 * span:  # label bars wide enough to read
                 ax.text(
                     start + width / 2,
                     e["stage"],
-                    f"{e['kind']}{e['mb']}",
+                    event_label(e, tl.get("chunks", 1)),
                     ha="center",
                     va="center",
                     fontsize=7,

@@ -8,6 +8,11 @@ micro-batches and every forward taking ``t_f``, every backward ``t_b``, a step l
 
     bubble = 1 - m / (m + p - 1) = (p - 1) / (m + p - 1)      (GPipe and 1F1B alike)
 
+Interleaved 1F1B with ``v`` chunks per rank: each F and B is ``1/v`` as long and the fill and
+drain take ``p - 1`` of those shorter slots, so a step lasts ``(v m + p - 1)(t_f + t_b) / v``:
+
+    bubble = (p - 1) / (v m + p - 1),   bubble / busy time = (p - 1) / (v m)   (v = 1: 1F1B's)
+
 The measured bubble is ``1 - sum of busy time / (p x step span)``, the span running from the
 first forward start to the last backward end over all stages. It is larger than the theory
 when stages are unequal (the last stage also computes the logits and the loss) or when
@@ -29,12 +34,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-Event = dict  # {"stage": int, "kind": "F" | "B", "mb": int, "start": float, "end": float} seconds
+Event = dict  # {"stage": int, "kind": "F" | "B", "mb": int, "chunk": int, "start": float, "end": float}
 
 
-def theoretical_bubble(p: int, m: int) -> float:
-    """(p - 1) / (m + p - 1): idle fraction of an ideal pipeline step."""
-    return (p - 1) / (m + p - 1)
+def event_label(event: Event, chunks: int = 1) -> str:
+    """``F3`` (forward of micro-batch 3), or with interleaving ``F1.3`` (through chunk 1)."""
+    if chunks > 1:
+        return f"{event['kind']}{event['chunk']}.{event['mb']}"
+    return f"{event['kind']}{event['mb']}"
+
+
+def theoretical_bubble(p: int, m: int, v: int = 1) -> float:
+    """(p - 1) / (v m + p - 1): idle fraction of an ideal pipeline step (v chunks per rank)."""
+    return (p - 1) / (v * m + p - 1)
 
 
 def measured_bubble(events: Sequence[Event], p: int) -> float:
@@ -58,23 +70,24 @@ class PipelineTimeline:
     ) -> None:
         self.stage, self.num_stages, self.device, self.group = stage, num_stages, device, group
         self.events: list[Event] = []
-        self.schedule, self.num_microbatches, self._t0 = "", 0, 0.0
+        self.schedule, self.num_microbatches, self.chunks, self._t0 = "", 0, 1, 0.0
 
     def _sync(self) -> None:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # kernels are asynchronous: time their end
 
-    def start_step(self, schedule: str, num_microbatches: int) -> None:
+    def start_step(self, schedule: str, num_microbatches: int, chunks: int = 1) -> None:
         """Forget the previous step; align the clock with the other stages."""
         self._sync()
         if self.group is not None and dist.is_initialized():
             dist.barrier(group=self.group)
         self.events, self.schedule, self.num_microbatches = [], schedule, num_microbatches
+        self.chunks = chunks
         self._t0 = time.perf_counter()
 
     @contextmanager
-    def record(self, kind: str, microbatch: int) -> Iterator[None]:
-        """Time the block as ``kind`` ("F" or "B") of ``microbatch``."""
+    def record(self, kind: str, microbatch: int, chunk: int = 0) -> Iterator[None]:
+        """Time the block as ``kind`` ("F" or "B") of ``microbatch`` through model ``chunk``."""
         self._sync()
         start = time.perf_counter() - self._t0
         yield
@@ -84,6 +97,7 @@ class PipelineTimeline:
                 "stage": self.stage,
                 "kind": kind,
                 "mb": microbatch,
+                "chunk": chunk,
                 "start": start,
                 "end": time.perf_counter() - self._t0,
             }
@@ -96,14 +110,15 @@ class PipelineTimeline:
             parts: list = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(parts, events, group=self.group)
             events = [e for part in parts for e in part]
-        p, m = self.num_stages, self.num_microbatches
+        p, m, v = self.num_stages, self.num_microbatches, self.chunks
         return {
-            "schedule": self.schedule,
+            "schedule": self.schedule if v == 1 else f"interleaved {self.schedule}",
             "stages": p,
             "microbatches": m,
+            "chunks": v,
             "events": events,
             "measured_bubble": measured_bubble(events, p),
-            "theoretical_bubble": theoretical_bubble(p, m),
+            "theoretical_bubble": theoretical_bubble(p, m, v),
         }
 
 
@@ -120,9 +135,11 @@ def load_timeline(path: str | Path) -> dict:
 
 
 def bubble_summary(timeline: dict) -> str:
-    """One line: schedule, p, m, measured vs theoretical bubble."""
+    """One line: schedule, p, (v,) m, measured vs theoretical bubble."""
+    v = timeline.get("chunks", 1)
+    chunks, vm = (f" v={v}", "vm") if v > 1 else ("", "m")
     return (
-        f"{timeline['schedule']}: p={timeline['stages']} m={timeline['microbatches']} "
-        f"bubble measured {timeline['measured_bubble']:.1%} vs theoretical (p-1)/(m+p-1) = "
+        f"{timeline['schedule']}: p={timeline['stages']}{chunks} m={timeline['microbatches']} "
+        f"bubble measured {timeline['measured_bubble']:.1%} vs theoretical (p-1)/({vm}+p-1) = "
         f"{timeline['theoretical_bubble']:.1%}"
     )

@@ -2,8 +2,9 @@
 
 Stage ``s`` receives its input x (b, T, H) from ``s - 1`` and sends its output y to ``s + 1``;
 in backward it receives dy from ``s + 1`` and sends dx to ``s - 1``. The schedules
-(``pipeline_parallel.py``) call only these steps; a stage without that neighbour does nothing
-and receives ``None``::
+(``pipeline_parallel.py``) call only these steps, the interleaved one (``pipeline_interleaved.py``)
+:func:`exchange` with its planned rounds; a stage without that neighbour does nothing and
+receives ``None``::
 
     recv_forward()                   x  <- s - 1
     send_forward(y)                  y  -> s + 1
@@ -12,7 +13,7 @@ and receives ``None``::
     send_forward_recv_backward(y)    y  -> s + 1  and  dy <- s + 1     (1F1B steady state)
     send_backward_recv_forward(dx)   dx -> s - 1  and  x  <- s - 1     (1F1B steady state)
 
-Why one batch (:func:`_exchange`): in 1F1B's steady state stage ``s`` sends y to ``s + 1`` and
+Why one batch (:func:`exchange`): in 1F1B's steady state stage ``s`` sends y to ``s + 1`` and
 receives dy from it while ``s + 1`` sends dx to ``s`` and receives the next x from it. Posted one
 by one as irecv-then-isend on both sides, NCCL runs a pair's operations in order on one stream:
 each rank's receive waits for the other's send, queued behind the other's receive, forever.
@@ -52,7 +53,7 @@ def _outgoing(tensor: torch.Tensor, state: ParallelState, spec: P2PSpec) -> torc
     return tensor.detach().to(spec.dtype).contiguous()
 
 
-def _exchange(
+def exchange(
     state: ParallelState,
     spec: P2PSpec,
     sends: list[tuple[torch.Tensor, int]],
@@ -80,33 +81,33 @@ def recv_forward(state: ParallelState, spec: P2PSpec) -> torch.Tensor | None:
     """x from the previous stage (None on the first stage, which reads tokens)."""
     if state.is_first_stage:
         return None
-    return _exchange(state, spec, [], [state.pp_rank - 1])[0]
+    return exchange(state, spec, [], [state.pp_rank - 1])[0]
 
 
 def send_forward(y: torch.Tensor, state: ParallelState, spec: P2PSpec) -> None:
     """y to the next stage (nothing on the last stage, whose output is the loss)."""
     if not state.is_last_stage:
-        _exchange(state, spec, [(y, state.pp_rank + 1)], [])
+        exchange(state, spec, [(y, state.pp_rank + 1)], [])
 
 
 def recv_backward(state: ParallelState, spec: P2PSpec) -> torch.Tensor | None:
     """dy from the next stage (None on the last stage: its output is the loss)."""
     if state.is_last_stage:
         return None
-    return _exchange(state, spec, [], [state.pp_rank + 1])[0]
+    return exchange(state, spec, [], [state.pp_rank + 1])[0]
 
 
 def send_backward(dx: torch.Tensor | None, state: ParallelState, spec: P2PSpec) -> None:
     """dx to the previous stage (nothing on the first stage)."""
     if not state.is_first_stage:
-        _exchange(state, spec, [(dx, state.pp_rank - 1)], [])
+        exchange(state, spec, [(dx, state.pp_rank - 1)], [])
 
 
 def send_forward_recv_backward(y: torch.Tensor, state: ParallelState, spec: P2PSpec) -> torch.Tensor | None:
     """y to the next stage and dy from it, in one batch (None on the last stage)."""
     if state.is_last_stage:
         return None
-    return _exchange(state, spec, [(y, state.pp_rank + 1)], [state.pp_rank + 1])[0]
+    return exchange(state, spec, [(y, state.pp_rank + 1)], [state.pp_rank + 1])[0]
 
 
 def send_backward_recv_forward(
@@ -115,4 +116,4 @@ def send_backward_recv_forward(
     """dx to the previous stage and the next x from it, in one batch (None on the first stage)."""
     if state.is_first_stage:
         return None
-    return _exchange(state, spec, [(dx, state.pp_rank - 1)], [state.pp_rank - 1])[0]
+    return exchange(state, spec, [(dx, state.pp_rank - 1)], [state.pp_rank - 1])[0]
