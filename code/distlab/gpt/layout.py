@@ -152,9 +152,11 @@ class Layout:
         if self.ep < 1:
             raise ValueError(f"{flag} {self.ep} must be >= 1")
         if self.expert_data_size % self.ep:
-            sizes = " x ".join(f"{SIZE_NAMES[d][0]} {self.size(d)}" for d in EXPERT_DATA_DIMS)
+            dims = [d for d in EXPERT_DATA_DIMS if d == "dp" or self.size(d) > 1]
+            sizes = " x ".join(f"{SIZE_NAMES[d][0]} {self.size(d)}" for d in dims)
+            total = f" = {self.expert_data_size}" if len(dims) > 1 else ""
             raise ValueError(
-                f"{name} {self.ep} ({flag}) does not divide {sizes} = {self.expert_data_size} "
+                f"{name} {self.ep} ({flag}) does not divide {sizes}{total} "
                 f"(world size {self.world_size} over the model-parallel sizes): the experts are shared "
                 f"out within the data-parallel ranks; choose {flag} among the divisors of "
                 f"{self.expert_data_size} or launch more processes"
