@@ -170,6 +170,16 @@ class PretrainArgs:
     pipeline_model_parallel_size: int = _f(1, "pipeline stages")
     pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
     pipeline_timeline: str = _f(None, "pp > 1: write the last step's F/B times per stage as JSON")
+    overlap_grad_reduce: bool = _f(
+        False,
+        "start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as "
+        "its last gradient is accumulated; the step waits for all before the optimizer (pp 1 only here)",
+    )
+    ddp_bucket_size: int = _f(
+        None,
+        "elements per gradient bucket (buckets fill in the reverse of the parameters' order); default "
+        "Megatron's max(40000000, 1000000 x dp)",
+    )
     distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
     distributed_timeout_minutes: float = _f(5.0, "collectives fail after waiting this long")
     local_rank: int = _f(None, "set by the legacy torch.distributed.launch; ignored (LOCAL_RANK wins)")
@@ -285,6 +295,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_torch_fsdp2_errors(args, layout),
         *_ckpt_format_errors(args, layout),
         *_recompute_errors(args, layout),
+        *_grad_reduce_errors(args, layout),
     ]
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))
@@ -513,6 +524,32 @@ def _recompute_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         args.recompute_num_layers,
         args.num_layers // layout.pp,
     )
+
+
+def _grad_reduce_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """--ddp-bucket-size > 0; --overlap-grad-reduce is this engine's own (LocalBackend), with pp 1
+    (its pipeline schedules do not tell the buckets which backward is the last micro-batch's).
+    Without dp > 1 it is accepted and does nothing, as in Megatron-LM."""
+    errors = []
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        errors.append(
+            f"--ddp-bucket-size {args.ddp_bucket_size}: a bucket holds a positive number of gradient "
+            f"elements; give e.g. 1000000, or leave it out for Megatron's default"
+        )
+    if not args.overlap_grad_reduce:
+        return errors
+    if layout.pp > 1:
+        errors.append(
+            f"--overlap-grad-reduce with --pipeline-model-parallel-size {layout.pp}: this engine overlaps "
+            f"the gradient all-reduce only without pipeline parallelism; set pp 1 or drop the flag"
+        )
+    for flag, given in (("--deepspeed", args.deepspeed), ("--use-torch-fsdp2", args.use_torch_fsdp2)):
+        if given:
+            errors.append(
+                f"--overlap-grad-reduce with {flag}: that back end reduces the gradients in its own hooks "
+                f"(overlapped already); drop --overlap-grad-reduce"
+            )
+    return errors
 
 
 def profile_ranks(args: PretrainArgs) -> set[int]:

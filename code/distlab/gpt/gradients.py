@@ -6,9 +6,10 @@ gradient of its share of the loss, ``sum_k d(loss_k x S / m)`` (``S`` the fp16 l
 
 1. tied embedding (pp > 1): ``dE = dE_first + dE_last`` over ``state.embedding_group``: E is one
    parameter used twice, held by the first and the last stage;
-2. data parallel: ``g = (1 / dp) sum_r g_r``, one flat all-reduce over ``state.dp_group``, after
-   the whole schedule (as Megatron's ``finalize_model_grads``; DDP's hook-driven all-reduce would
-   need one "last" forward, which 1F1B's interleaving does not have);
+2. data parallel: ``g = (1 / dp) sum_r g_r``, flat all-reduces over ``state.dp_group`` of the
+   buckets of ``grad_buckets.py`` (one bucket by default), after the whole schedule as Megatron's
+   ``finalize_model_grads``, or, with ``--overlap-grad-reduce`` (pp = 1), started during the last
+   micro-batch's backward and only waited for here;
 3. fp16: divide by ``S`` and look for inf / nan on any rank (the step is then skipped);
 4. global norm ``||g|| = sqrt(sum_p ||g_p||^2)`` over the model-parallel ranks, each parameter
    counted once (a replicated one on tp rank 0, E's copy on the last stage not at all);
@@ -24,29 +25,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab.gpt.grad_buckets import GradBuckets
 from distlab.gpt.loss_scaler import unscale_and_check
 from distlab.gpt.parallel_state import ParallelState
 
 
 @torch.no_grad()
 def reduce_gradients(
-    params: Iterable[nn.Parameter], tied_weight: torch.Tensor | None, state: ParallelState
+    params: Iterable[nn.Parameter],
+    tied_weight: torch.Tensor | None,
+    state: ParallelState,
+    buckets: GradBuckets | None = None,
 ) -> None:
-    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp."""
+    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp, through
+    ``buckets`` (``grad_buckets.py``; default: one bucket of all ``params``, reduced now)."""
     if tied_weight is not None and state.embedding_group is not None:
         if tied_weight.grad is None:
             tied_weight.grad = torch.zeros_like(tied_weight)
         dist.all_reduce(tied_weight.grad, group=state.embedding_group)
-    grads = [p.grad for p in params if p.grad is not None]
-    if state.dp == 1 or not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one message instead of one per tensor
-    dist.all_reduce(flat, group=state.dp_group)
-    flat /= state.dp
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if buckets is None:
+        params = list(params)
+        buckets = GradBuckets(
+            params, state, bucket_size=max(1, sum(p.numel() for p in params)), overlap=False
+        )
+    buckets.finish()
 
 
 def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> torch.Tensor:
@@ -105,10 +107,11 @@ def finalize_gradients(
     *,
     loss_scale: float | None,
     clip_grad: float,
+    buckets: GradBuckets | None = None,
 ) -> Gradients:
     """Steps 1 to 5 (``loss_scale`` None: no fp16 scaling). Gradients are left unclipped when
     the norm is not finite: the step that follows is skipped."""
-    reduce_gradients(params, tied_weight, state)
+    reduce_gradients(params, tied_weight, state, buckets)
     if loss_scale is not None and unscale_and_check(params, loss_scale):
         return Gradients(None, overflow=True)
     norm = grad_norm(params, state)
