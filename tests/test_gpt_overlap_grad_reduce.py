@@ -5,9 +5,13 @@ A tiny GPT (4 layers, hidden 32) trains 3 fp32 steps at DP=4 with m=2 micro-batc
 overlap; both must leave bit-identical parameters, and match one process over the same 16
 samples per step (m=8) to 1e-6. During the last micro-batch's backward, the first bucket's
 all-reduce must already be issued when the last gradient (the embedding's) is accumulated.
+Also: the bucket order, the refusals, and the trace reader that splits communication into hidden
+(under backward) and exposed (after it).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training import LocalBackend, train_step
+from distlab.profiling.traces import Trace, communication_split, step_spans
 from tests.conftest import run_gloo
 from tests.test_gpt_arguments import BASE, files  # noqa: F401 - the fixture
 
@@ -104,3 +109,41 @@ def test_bad_flags_are_refused_before_compute(files) -> None:  # noqa: F811 - th
         validate_args(parse_args([*BASE, *files, "--overlap-grad-reduce", "--use-torch-fsdp2"]), 4)
     args = parse_args([*BASE, *files, "--overlap-grad-reduce", "--ddp-bucket-size", "1000"])
     assert validate_args(args, 1).dp == 1 and args.overlap_grad_reduce  # dp 1: accepted, nothing to do
+
+
+def test_communication_after_the_last_backward_is_exposed(tmp_path) -> None:
+    """A synthetic trace (us): backward 0-100 on the main thread, all-reduces 60-90 (hidden) and
+    95-130 (5 hidden, 30 exposed) on gloo's thread, in a 150 us step."""
+    events = [
+        {"ph": "X", "name": "ProfilerStep#4", "tid": 1, "ts": 1000, "dur": 150},
+        {
+            "ph": "X",
+            "name": "autograd::engine::evaluate_function: MmBackward0",
+            "tid": 1,
+            "ts": 1000,
+            "dur": 40,
+        },
+        {
+            "ph": "X",
+            "name": "autograd::engine::evaluate_function: AddBackward0",
+            "tid": 1,
+            "ts": 1030,
+            "dur": 70,
+        },
+        {
+            "ph": "X",
+            "name": "autograd::engine::evaluate_function: other thread",
+            "tid": 7,
+            "ts": 1000,
+            "dur": 140,
+        },
+        {"ph": "X", "name": "gloo:all_reduce", "tid": 2, "ts": 1060, "dur": 30},
+        {"ph": "X", "name": "gloo:all_reduce", "tid": 2, "ts": 1095, "dur": 35},
+    ]
+    path = tmp_path / "rank0.1.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace = Trace("rank0", path, profile=None)
+    (step,) = step_spans(trace)
+    assert step.backward == [(0.0, 0.1)] and step.communication == [(0.06, 0.09), (0.095, 0.13)]
+    split = communication_split(trace)
+    assert split == pytest.approx({"hidden": 0.035, "exposed": 0.030, "step": 0.15})
