@@ -15,8 +15,8 @@ variants take turns, so that a busy moment of a shared machine hits all of them.
 all-reduce runs in gloo's threads and competes with backward for the cores: what leaves the
 wait partly comes back in backward (the ``sum`` column).
 
-    python code/bench_overlap.py --spawn 4                       # DP=4 on this machine (gloo, CPU)
-    srun --ntasks-per-node=2 python code/bench_overlap.py        # DP=4 over 2 nodes x 2 tasks
+    python benchmarks/bench_overlap.py --spawn 4                  # DP=4 on this machine (gloo, CPU)
+    srun --ntasks-per-node=2 python benchmarks/bench_overlap.py   # DP=4 over 2 nodes x 2 tasks
 """
 
 from __future__ import annotations
