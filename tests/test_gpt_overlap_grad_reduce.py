@@ -26,7 +26,7 @@ from distlab.profiling.traces import Trace, communication_split, step_spans
 from tests.conftest import run_gloo
 from tests.test_gpt_arguments import BASE, files  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 CFG = GPTConfig(
     num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128, max_position_embeddings=16
