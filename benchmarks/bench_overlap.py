@@ -9,11 +9,12 @@ After the last backward of a step the optimizer waits for the dp all-reduce of t
 
 The engine's GPT (``LocalBackend``, what ``pretrain_gpt.py`` runs) trains on random tokens: one
 bucket without overlap (Megatron's layout), then a sweep of ``--ddp-bucket-size`` with overlap
-(too small: many latencies; too large: nothing to overlap, one bucket starts last). Rank 0
-prints the median over ``--steps`` steps of the forwards + backwards and of the wait; the
-variants take turns, so that a busy moment of a shared machine hits all of them. On a CPU the
-all-reduce runs in gloo's threads and competes with backward for the cores: what leaves the
-wait partly comes back in backward (the ``sum`` column).
+(too small: many latencies; too large: nothing to overlap, one bucket starts last). Each step
+starts from a barrier; printed are the medians over ``--steps`` steps of rank 0's forwards +
+backwards and of the wait of the rank that waited least (the last one out of backward: its wait
+holds no straggler, only communication). The variants take turns, so that a busy moment of a
+shared machine hits all of them. On a CPU the all-reduce runs in gloo's threads and competes
+with backward for the cores: what leaves the wait partly comes back in backward (``sum``).
 
     python benchmarks/bench_overlap.py --spawn 4                  # DP=4 on this machine (gloo, CPU)
     srun --ntasks-per-node=2 python benchmarks/bench_overlap.py   # DP=4 over 2 nodes x 2 tasks
@@ -26,6 +27,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from distlab.comm import launch
 from distlab.distributed import print_on, shutdown
@@ -47,15 +49,20 @@ def build(state: ParallelState, cfg: GPTConfig, bucket: int | None) -> LocalBack
 
 
 def timed_step(backend: LocalBackend, batches: list) -> tuple[float, float]:
-    """One step; (forwards and backwards, exposed wait after them), in ms."""
+    """One step from a barrier; (forwards and backwards, exposed wait after them) in ms, the wait
+    of the rank that waited least: the last to finish backward, which waits for no straggler,
+    only for the communication its backward did not hide."""
     backend.zero_grad()
+    dist.barrier()
     t0 = time.perf_counter()
     forward_backward(backend.module, batches, backward=backend.backward)
     t1 = time.perf_counter()
     backend.grad_buckets.finish()  # the exposed part: what backward did not hide
     t2 = time.perf_counter()
     backend.optimizer.step()
-    return 1e3 * (t1 - t0), 1e3 * (t2 - t1)
+    wait = torch.tensor([t2 - t1])
+    dist.all_reduce(wait, op=dist.ReduceOp.MIN)
+    return 1e3 * (t1 - t0), 1e3 * float(wait)
 
 
 def main(args: argparse.Namespace) -> None:
