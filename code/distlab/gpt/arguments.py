@@ -209,6 +209,16 @@ class PretrainArgs:
         "engine implements; needed when --expert-model-parallel-size > 1); allgather is Megatron's default",
         choices=["allgather", "alltoall"],
     )
+    overlap_grad_reduce: bool = _f(
+        False,
+        "start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as "
+        "its last gradient is accumulated; the step waits for all before the optimizer (pp 1 only here)",
+    )
+    ddp_bucket_size: int = _f(
+        None,
+        "elements per gradient bucket (buckets fill in the reverse of the parameters' order); default "
+        "Megatron's max(40000000, 1000000 x dp)",
+    )
     distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
     distributed_timeout_minutes: float = _f(5.0, "collectives fail after waiting this long")
     local_rank: int = _f(None, "set by the legacy torch.distributed.launch; ignored (LOCAL_RANK wins)")
@@ -334,6 +344,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *moe_errors(args, layout),
         *_context_parallel_errors(args, layout),
         *_interleaving_errors(args, layout),
+        *_grad_reduce_errors(args, layout),
     ]
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))
@@ -625,6 +636,32 @@ def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             f"combined in this engine; drop the virtual-pipeline flag or set --context-parallel-size 1"
         ]
     return []
+
+
+def _grad_reduce_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """--ddp-bucket-size > 0; --overlap-grad-reduce is this engine's own (LocalBackend), with pp 1
+    (its pipeline schedules do not tell the buckets which backward is the last micro-batch's).
+    Without dp > 1 it is accepted and does nothing, as in Megatron-LM."""
+    errors = []
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        errors.append(
+            f"--ddp-bucket-size {args.ddp_bucket_size}: a bucket holds a positive number of gradient "
+            f"elements; give e.g. 1000000, or leave it out for Megatron's default"
+        )
+    if not args.overlap_grad_reduce:
+        return errors
+    if layout.pp > 1:
+        errors.append(
+            f"--overlap-grad-reduce with --pipeline-model-parallel-size {layout.pp}: this engine overlaps "
+            f"the gradient all-reduce only without pipeline parallelism; set pp 1 or drop the flag"
+        )
+    for flag, given in (("--deepspeed", args.deepspeed), ("--use-torch-fsdp2", args.use_torch_fsdp2)):
+        if given:
+            errors.append(
+                f"--overlap-grad-reduce with {flag}: that back end reduces the gradients in its own hooks "
+                f"(overlapped already); drop --overlap-grad-reduce"
+            )
+    return errors
 
 
 def profile_ranks(args: PretrainArgs) -> set[int]:

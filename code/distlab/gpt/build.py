@@ -175,7 +175,15 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         tlog=log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device),
         tensorboard=log.TensorBoardLog(args, enabled=state.rank == ctx.world_size - 1),
         peak_meter=peak_meter,
-        backend=LocalBackend(model, optimizer, state, clip_grad=args.clip_grad, scaler=scaler)
+        backend=LocalBackend(
+            model,
+            optimizer,
+            state,
+            clip_grad=args.clip_grad,
+            scaler=scaler,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            bucket_size=args.ddp_bucket_size,
+        )
         if mesh is None
         else fsdp2.FSDP2Backend(model, optimizer, mesh, clip_grad=args.clip_grad),
         checkpointer=checkpointer.Checkpointer(args, state, device),

@@ -6,12 +6,13 @@ gradient of its share of the loss, ``sum_k d(loss_k x S / m)`` (``S`` the fp16 l
 
 1. tied embedding (pp > 1): ``dE = dE_first + dE_last`` over ``state.embedding_group``: E is one
    parameter used twice, held by the first and the last stage;
-2. data (and context) parallel: ``g = (1 / (dp cp)) sum_r g_r``, one flat all-reduce over
-   ``state.dp_cp_group`` (the ranks holding the same weights; cp ranks saw other tokens), after
-   the whole schedule (as Megatron's ``finalize_model_grads``; DDP's hook-driven all-reduce would
-   need one "last" forward, which 1F1B's interleaving does not have);
+2. data (and context) parallel: ``g = (1 / (dp cp)) sum_r g_r`` over ``state.dp_cp_group`` (the
+   ranks holding the same weights; cp ranks saw other tokens), flat all-reduces of the buckets of
+   ``grad_buckets.py`` (one bucket by default), after the whole schedule as Megatron's
+   ``finalize_model_grads``, or, with ``--overlap-grad-reduce`` (pp = 1), started during the last
+   micro-batch's backward and only waited for here;
    expert parameters (``p.expert_parallel``, ep > 1) instead over ``state.edp_group``, the
-   ``dp / ep`` ranks that hold the same experts, still divided by dp: each rank's expert
+   ``dp cp / ep`` ranks that hold the same experts, still divided by dp cp: each rank's expert
    gradient already sums the tokens its ep group's ranks sent it, so the sum over the
    expert-data-parallel group covers all dp ranks' tokens once;
 3. fp16: divide by ``S`` and look for inf / nan on any rank (the step is then skipped);
@@ -30,32 +31,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab.gpt.grad_buckets import GradBuckets, is_expert
 from distlab.gpt.loss_scaler import unscale_and_check
 from distlab.gpt.parallel_state import ParallelState
 
 
 @torch.no_grad()
 def reduce_gradients(
-    params: Iterable[nn.Parameter], tied_weight: torch.Tensor | None, state: ParallelState
+    params: Iterable[nn.Parameter],
+    tied_weight: torch.Tensor | None,
+    state: ParallelState,
+    buckets: GradBuckets | None = None,
 ) -> None:
-    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp x cp (experts:
-    sum over the expert-data-parallel group, divide by dp x cp)."""
+    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp x cp through
+    ``buckets`` (``grad_buckets.py``; default: one bucket of all dense ``params``, reduced now);
+    experts: sum over the expert-data-parallel group, divide by dp x cp."""
     if tied_weight is not None and state.embedding_group is not None:
         if tied_weight.grad is None:
             tied_weight.grad = torch.zeros_like(tied_weight)
         dist.all_reduce(tied_weight.grad, group=state.embedding_group)
-    params = [p for p in params if p.grad is not None]
-    experts = [p.grad for p in params if state.ep > 1 and _is_expert(p)]
-    dense = [p.grad for p in params if not (state.ep > 1 and _is_expert(p))]
-    replicas = state.dp * state.cp  # the ranks holding the same dense weights
-    _all_reduce_mean(dense, state.dp_cp_group if replicas > 1 else None, replicas)
+    params = list(params)
+    if buckets is None:
+        buckets = GradBuckets(
+            params, state, bucket_size=max(1, sum(p.numel() for p in params)), overlap=False
+        )
+    buckets.finish()  # the dense parameters (every one when ep = 1)
+    experts = [p.grad for p in params if p.grad is not None and state.ep > 1 and is_expert(p)]
     if experts:
         edp = state.layout.expert_data_size // state.ep
         _all_reduce_mean(experts, state.edp_group if edp > 1 else None, state.layout.expert_data_size)
-
-
-def _is_expert(p: nn.Parameter) -> bool:
-    return getattr(p, "expert_parallel", False)
 
 
 def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
@@ -85,7 +89,7 @@ def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> to
             continue
         if getattr(p, "shared_embedding", False) and pp > 1:
             continue
-        (experts if ep > 1 and _is_expert(p) else grads).append(p.grad.detach())
+        (experts if ep > 1 and is_expert(p) else grads).append(p.grad.detach())
     total = _square_sum(grads)  # sum_p ||g_p||^2
     if ep > 1:  # each ep rank holds different experts: their squares add up over the group
         expert_total = _square_sum(experts)
@@ -136,10 +140,11 @@ def finalize_gradients(
     *,
     loss_scale: float | None,
     clip_grad: float,
+    buckets: GradBuckets | None = None,
 ) -> Gradients:
     """Steps 1 to 5 (``loss_scale`` None: no fp16 scaling). Gradients are left unclipped when
     the norm is not finite: the step that follows is skipped."""
-    reduce_gradients(params, tied_weight, state)
+    reduce_gradients(params, tied_weight, state, buckets)
     if loss_scale is not None and unscale_and_check(params, loss_scale):
         return Gradients(None, overflow=True)
     norm = grad_norm(params, state)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from distlab.gpt.context_parallel import ring_of, split_sequence
 from distlab.gpt.gpt_dataset import GPTDataset
+from distlab.gpt.grad_buckets import GradBuckets, default_bucket_size
 from distlab.gpt.gradients import finalize_gradients
 from distlab.gpt.interfaces import (
     AutocastFn,
@@ -105,7 +106,9 @@ class LocalBackend:
     """This engine's own step: plain backward of ``loss_k x S / m``, then ``gradients.py``'s
     finalisation (tied embedding, dp all-reduce, fp16 unscale, norm, clip) and the optimizer.
 
-    The step is skipped after an fp16 overflow (the scaler backs off) or a non-finite norm.
+    The dp all-reduce runs in ``grad_buckets`` (default: one bucket, after backward); with
+    ``overlap_grad_reduce`` each bucket starts during the last micro-batch's backward. The step is
+    skipped after an fp16 overflow (the scaler backs off) or a non-finite norm.
     """
 
     def __init__(
@@ -116,22 +119,34 @@ class LocalBackend:
         *,
         clip_grad: float,
         scaler: DynamicLossScaler | None = None,
+        overlap_grad_reduce: bool = False,
+        bucket_size: int | None = None,  # elements, --ddp-bucket-size (default Megatron's)
     ) -> None:
         self.module, self.optimizer, self.state = model, optimizer, state
         self.clip_grad, self.scaler = clip_grad, scaler
+        size = bucket_size if bucket_size is not None else default_bucket_size(state.dp)
+        self.grad_buckets = GradBuckets(
+            list(model.parameters()), state, bucket_size=size, overlap=overlap_grad_reduce
+        )
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def backward(self, loss: torch.Tensor, k: int, m: int) -> None:
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        self.grad_buckets.last_micro_batch = k == m - 1  # its hooks start the buckets' all-reduces
         (loss * (scale / m)).backward()
 
     def step(self) -> StepOutcome:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         scale = self.scaler.scale if self.scaler is not None else None
         grads = finalize_gradients(
-            params, self.module.tied_embedding(), self.state, loss_scale=scale, clip_grad=self.clip_grad
+            params,
+            self.module.tied_embedding(),
+            self.state,
+            loss_scale=scale,
+            clip_grad=self.clip_grad,
+            buckets=self.grad_buckets,
         )
         if self.scaler is not None:
             self.scaler.update(grads.overflow)

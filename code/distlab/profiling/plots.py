@@ -8,7 +8,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from distlab.profiling.traces import GROUPS, Trace
+from distlab.profiling.traces import GROUPS, Trace, communication_split, step_spans
 
 COLOURS = {
     "computation": "tab:blue",
@@ -38,6 +38,37 @@ def plot_breakdown(runs: dict[str, dict[str, Trace]], ax=None):
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("Step-time breakdown (the plugin's Overview, grouped)")
     return ax
+
+
+def plot_overlap(runs: dict[str, Trace]):
+    """Left: the last traced step of each run on one time axis, backward (blue) above the
+    collectives (red); right: communication hidden under backward and exposed after it, as a
+    share of the step."""
+    fig, (tl, bars) = plt.subplots(1, 2, figsize=(13, 0.9 * len(runs) + 1.6), width_ratios=(3, 1))
+    for i, trace in enumerate(runs.values()):
+        s = step_spans(trace)[-1]
+        tl.broken_barh([(a, b - a) for a, b in s.backward], (i - 0.4, 0.38), color=COLOURS["computation"])
+        tl.broken_barh(
+            [(a, b - a) for a, b in s.communication], (i + 0.02, 0.38), color=COLOURS["communication"]
+        )
+        split = communication_split(trace)
+        hidden, exposed = (100 * split[k] / split["step"] for k in ("hidden", "exposed"))
+        bars.barh(i, hidden, color="tab:orange", label="hidden" if i == 0 else None)
+        bars.barh(
+            i, exposed, left=hidden, color=COLOURS["communication"], label="exposed" if i == 0 else None
+        )
+        bars.text(hidden + exposed, i, f" {exposed:.0f}% exposed", va="center", fontsize=8)
+    for ax in (tl, bars):
+        ax.set_yticks(range(len(runs)), list(runs))
+        ax.invert_yaxis()
+    tl.set_xlabel("ms from the start of the last traced step (blue: backward operators, red: collectives)")
+    tl.set_title("Where the all-reduces run")
+    bars.set_yticklabels([])
+    bars.set_xlabel("communication, % of the step")
+    bars.set_xlim(0, max(bars.get_xlim()[1], 1) * 1.5)
+    bars.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
 
 
 def _label(trace: Trace) -> str:

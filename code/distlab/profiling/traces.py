@@ -14,6 +14,11 @@ notebook plots::
     communication  = Communication                         (nccl:* / gloo:* collectives)
     data loading   = DataLoader
     other          = Runtime + Other                       (launches, Python, waiting: the bubble)
+
+The Overview gives communication priority over CPU operators: an all-reduce that runs under
+backward (``--overlap-grad-reduce``) still counts as communication there. What the step waits
+for is :meth:`Trace.communication_split`: the communication after the step's last backward
+operator is *exposed*, the rest was *hidden* under backward (data parallelism, pp = 1).
 """
 
 from __future__ import annotations
@@ -109,6 +114,66 @@ class Trace:
             out.append({"step": s["name"], "start": (start - first_ts) / 1000, "end": (end - first_ts) / 1000,
                         "backward": None if bw is None else (bw - first_ts) / 1000})  # fmt: skip
         return out
+
+
+@dataclass
+class StepSpans:
+    """One traced step, in ms from its start: the backward's merged spans (the main thread's
+    ``autograd::engine`` operators) and the collectives' (``gloo:*`` / ``nccl*``, any thread)."""
+
+    name: str
+    duration: float
+    backward: list[tuple[float, float]]
+    communication: list[tuple[float, float]]
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def step_spans(trace: Trace) -> list[StepSpans]:
+    """Every traced step of ``trace`` as :class:`StepSpans`."""
+    events = [e for e in json.loads(trace.path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    main_tid = steps[0]["tid"] if steps else None
+    out = []
+    for s in steps:
+        t0, t1 = s["ts"], s["ts"] + s["dur"]
+
+        def within(e, t0=t0, t1=t1):
+            return t0 <= e["ts"] <= t1
+
+        bw = [
+            e
+            for e in events
+            if e["tid"] == main_tid and e["name"].startswith("autograd::engine") and within(e)
+        ]
+        comm = [e for e in events if e["name"].startswith(("gloo:", "nccl")) and within(e)]
+        spans = [
+            _merge([((e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3) for e in group])
+            for group in (bw, comm)
+        ]
+        out.append(StepSpans(s["name"], s["dur"] / 1e3, *spans))
+    return out
+
+
+def communication_split(trace: Trace) -> dict[str, float]:
+    """Average ms per step of communication ``hidden`` before the end of the last backward
+    operator and ``exposed`` after it, and the ``step``."""
+    steps = step_spans(trace)
+    hidden = exposed = 0.0
+    for s in steps:
+        end = s.backward[-1][1] if s.backward else 0.0
+        hidden += sum(max(0.0, min(b, end) - a) for a, b in s.communication)
+        exposed += sum(max(0.0, b - max(a, end)) for a, b in s.communication)
+    n = max(1, len(steps))
+    return {"hidden": hidden / n, "exposed": exposed / n, "step": sum(s.duration for s in steps) / n}
 
 
 def load_trace(path: str | Path, worker: str | None = None) -> Trace:
