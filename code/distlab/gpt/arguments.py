@@ -168,6 +168,11 @@ class PretrainArgs:
     # --- parallelism ---
     tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages")
+    sequence_parallel: bool = _f(
+        False,
+        "with tensor parallelism: LayerNorms, dropout and residual adds work on seq-length / tp positions "
+        "per rank; the all-reduces become all-gathers and reduce-scatters (Korthikanti et al. 2022)",
+    )
     pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
     pipeline_timeline: str = _f(None, "pp > 1: write the last step's F/B times per stage as JSON")
     distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
@@ -270,7 +275,10 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         raise ValueError("; ".join(missing))
     layout = build_layout(args, world_size)
     layout.validate_model(
-        num_layers=args.num_layers, num_attention_heads=args.num_attention_heads, hidden_size=args.hidden_size
+        num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        hidden_size=args.hidden_size,
+        seq_length=args.seq_length,
     )
     args.global_batch_size = layout.global_batch_size
     if args.max_position_embeddings is None:
@@ -316,6 +324,7 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         batch_schedule=schedule,
+        sequence_parallel=args.sequence_parallel,
     )
 
 

@@ -51,6 +51,8 @@ class Layout:
     """The final global batch B; None: ``b x dp`` (one micro-batch per step)."""
     batch_schedule: tuple[tuple[int, int], ...] = field(default=())
     """``(first sample, global batch)`` steps of a ramp, ending at B; empty: B throughout."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``: outside the tp GEMMs each tp rank keeps T / tp of the sequence."""
 
     def __post_init__(self) -> None:
         given = {d: getattr(self, d) for d in ORDER if d != "dp"}
@@ -63,6 +65,11 @@ class Layout:
             raise ValueError(
                 f"world size {self.world_size} is not divisible by {product} = {model_parallel}: "
                 f"launch a multiple of {model_parallel} processes or change the sizes"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "--sequence-parallel needs --tensor-model-parallel-size > 1, got 1: sequence parallelism "
+                "splits the sequence over the tensor-parallel ranks; drop the flag or raise the size"
             )
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.dp)
@@ -99,9 +106,17 @@ class Layout:
             out.append([self.rank_of(*(at.get(d, i) for d in ORDER)) for i in range(self.size(dim))])
         return out
 
-    def validate_model(self, *, num_layers: int, num_attention_heads: int, hidden_size: int) -> None:
-        """Heads and hidden size must split over ``tp``, layers over ``pp``."""
+    def validate_model(
+        self, *, num_layers: int, num_attention_heads: int, hidden_size: int, seq_length: int | None = None
+    ) -> None:
+        """Heads and hidden size must split over ``tp``, layers over ``pp``; with sequence
+        parallelism, the sequence over ``tp``."""
         errors = []
+        if self.sequence_parallel and seq_length is not None and seq_length % self.tp:
+            errors.append(
+                f"--seq-length {seq_length} is not divisible by --tensor-model-parallel-size {self.tp}, "
+                f"which --sequence-parallel splits it over: use a multiple of {self.tp}"
+            )
         if num_attention_heads % self.tp:
             errors.append(
                 f"--num-attention-heads {num_attention_heads} is not divisible by "
