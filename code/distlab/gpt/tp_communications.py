@@ -171,8 +171,10 @@ class _LinearWithSequenceGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):  # x (b, T/p, H_in), weight (H_out_p, H_in)
+        ctx.group, ctx.has_bias, ctx.x_dtype = group, bias is not None, x.dtype
+        if torch.is_autocast_enabled(x.device.type):  # gather and keep the half copy the GEMM reads
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
         return F.linear(_gather_sequence(x, group), weight, bias)  # (b, T, H_out_p), autocast applies
 
     @staticmethod
@@ -183,7 +185,7 @@ class _LinearWithSequenceGather(torch.autograd.Function):
         grad_2d = grad.flatten(0, -2)  # (b T, H_out_p)
         grad_w = (grad_2d.t() @ total.flatten(0, -2)).to(weight.dtype)  # (H_out_p, H_in)
         grad_b = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x.to(x.dtype), grad_w, grad_b, None
+        return grad_x.to(ctx.x_dtype), grad_w, grad_b, None
 
 
 def linear_with_sequence_gather(
