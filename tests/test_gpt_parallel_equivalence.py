@@ -24,16 +24,12 @@ from distlab.distributed import free_port
 from distlab.gpt.local_run import prepare_data, pretrain_as_rank
 from distlab.gpt.pipeline_plot import plot_timelines
 from distlab.gpt.pipeline_timeline import load_timeline
+from tests.conftest import TINY_GPT_ARGV as MODEL
+from tests.conftest import assert_same_history
 
 pytestmark = pytest.mark.timeout(420)
 
-RTOL = ATOL = 1e-6
-MODEL = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-    "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 "
-    "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
-    "--eval-interval 3 --eval-iters 1 --distributed-backend gloo"
-).split()
+RTOL = 1e-6
 #: (tp, pp, dp, schedule) for world 2 and world 4; the reference is (1, 1, 1).
 LAYOUTS = {
     2: [(2, 1, 1, "1f1b"), (1, 2, 1, "gpipe"), (1, 2, 1, "1f1b"), (1, 1, 2, "1f1b")],
@@ -102,14 +98,7 @@ def test_layout_matches_single_process(runs: Path, tp: int, pp: int, dp: int, sc
     last = _history(runs, _name(tp, pp, dp, schedule), world - 1)  # Megatron logs from the last rank
     what = f"(TP, PP, DP) = ({tp}, {pp}, {dp}) {schedule}"
     assert len(last["losses"]) == 3
-    for key in ("losses", "grad_norms", "val_losses"):
-        torch.testing.assert_close(
-            torch.tensor(last[key], dtype=torch.float64),
-            torch.tensor(ref[key], dtype=torch.float64),
-            rtol=RTOL,
-            atol=ATOL,
-            msg=lambda m, key=key: f"{what}: {key} differ from one process: {m}",
-        )
+    assert_same_history(last, ref, what, tol=RTOL)
     # The last rank prints the iteration lines, with the last stage's loss in them.
     lines = [ln for ln in last["log"].splitlines() if " lm loss: " in ln and "iteration" in ln]
     assert len(lines) == 3, last["log"]

@@ -33,17 +33,12 @@ from distlab.gpt.local_run import prepare_data, pretrain_as_rank
 from distlab.gpt.memory_estimate import MemorySetup, block_bytes, korthikanti_layer_bytes
 from distlab.gpt.model import Block, GPTConfig, init_parameters
 from distlab.gpt.parallel_state import ParallelState
-from tests.conftest import run_gloo
+from tests.conftest import TINY_GPT_ARGV as MODEL
+from tests.conftest import assert_same_history, run_gloo
 
 pytestmark = pytest.mark.timeout(180)
 
-RTOL = ATOL = 1e-6
-MODEL = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-    "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 "
-    "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
-    "--eval-interval 3 --eval-iters 1 --distributed-backend gloo"
-).split()
+RTOL = 1e-6
 #: name: (first rank, ranks, extra flags). The reference (on rank 2) and TP2+SP (ranks 0, 1) run
 #: at the same time, then TP2+SP x PP2 on all 4.
 RUNS = {
@@ -83,14 +78,7 @@ def test_sequence_parallel_matches_single_process(runs: Path, name: str) -> None
     ref, world = _history(runs, "reference", 0), RUNS[name][1]
     last = _history(runs, name, world - 1)
     assert len(last["losses"]) == 3
-    for key in ("losses", "grad_norms", "val_losses"):
-        torch.testing.assert_close(
-            torch.tensor(last[key], dtype=torch.float64),
-            torch.tensor(ref[key], dtype=torch.float64),
-            rtol=RTOL,
-            atol=ATOL,
-            msg=lambda m, key=key: f"{name}: {key} differ from one process: {m}",
-        )
+    assert_same_history(last, ref, name, tol=RTOL)
     assert ref["losses"][-1] < ref["losses"][0]  # the reference learns: the comparison is not vacuous
     assert "tensor-model-parallel size: 2" in _history(runs, name, 0)["log"]
 
