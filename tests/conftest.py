@@ -58,6 +58,15 @@ def _gloo_rank(rank: int, world: int, port: int, timeout_s: float, fn: Callable,
         fn(ctx, *args)
 
 
+#: The tiny GPT every whole-run equivalence test trains (data flags and the layout left out).
+TINY_GPT_ARGV = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 "
+    "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
+    "--eval-interval 3 --eval-iters 1 --distributed-backend gloo"
+).split()
+
+
 def run_gloo(fn: Callable[..., None], world: int, *args, timeout_s: float = 60) -> None:
     """Run ``fn(ctx, *args)`` on ``world`` spawned ranks of one gloo group on a free port.
 

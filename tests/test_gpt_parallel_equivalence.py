@@ -24,17 +24,12 @@ from distlab.distributed import free_port
 from distlab.gpt.local_run import prepare_data, pretrain_as_rank
 from distlab.gpt.pipeline_plot import plot_timelines
 from distlab.gpt.pipeline_timeline import load_timeline
+from tests.conftest import TINY_GPT_ARGV as MODEL
 from tests.conftest import assert_same_training
 
 pytestmark = pytest.mark.timeout(420)
 
 RTOL = 1e-6  # rtol = atol
-MODEL = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-    "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 "
-    "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
-    "--eval-interval 3 --eval-iters 1 --distributed-backend gloo"
-).split()
 #: (tp, pp, dp, schedule) for world 2 and world 4; the reference is (1, 1, 1).
 LAYOUTS = {
     2: [(2, 1, 1, "1f1b"), (1, 2, 1, "gpipe"), (1, 2, 1, "1f1b"), (1, 1, 2, "1f1b")],

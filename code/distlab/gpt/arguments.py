@@ -175,6 +175,11 @@ class PretrainArgs:
         1,
         "ranks sharing each sequence (context parallelism: ring attention); --seq-length must divide by 2x it",
     )
+    sequence_parallel: bool = _f(
+        False,
+        "with tensor parallelism: LayerNorms, dropout and residual adds work on seq-length / tp positions "
+        "per rank; the all-reduces become all-gathers and reduce-scatters (Korthikanti et al. 2022)",
+    )
     pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
     num_layers_per_virtual_pipeline_stage: int = _f(
         None, "layers per model chunk: each pipeline rank holds v = L / (pp x this) chunks (interleaved 1F1B)"
@@ -385,6 +390,7 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
         global_batch_size=args.global_batch_size,
         batch_schedule=schedule,
         vp=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
     )
 
 
@@ -617,6 +623,8 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
              "ring attention has no dropout; set it to 0"),
             ("--ckpt-format torch_dist", args.ckpt_format == "torch_dist" and bool(args.save or args.load),
              "cp ranks hold the same weights under the same names; use --ckpt-format torch"),
+            ("--sequence-parallel", args.sequence_parallel,
+             "not combined with ring attention in this engine; drop one"),
         )
         if given
     ]  # fmt: skip
@@ -630,6 +638,11 @@ def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         check_schedule(args.pipeline_schedule, layout.vp)
     except ValueError as e:
         return [str(e)]
+    if layout.vp > 1 and args.sequence_parallel:
+        return [
+            f"--sequence-parallel with an interleaved pipeline (v = {layout.vp}): not combined in this "
+            f"engine; drop the virtual-pipeline flag or --sequence-parallel"
+        ]
     if layout.vp > 1 and layout.cp > 1:
         return [
             f"--context-parallel-size {layout.cp} with an interleaved pipeline (v = {layout.vp}): not "

@@ -267,7 +267,9 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
 
 def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
     """This rank's stage and tensor-parallel shard of the GPT; prints its parameter count."""
-    torch.manual_seed(args.seed + 100 * state.pp_rank)  # dropout; the weights come from init_parameters
+    # dropout; the weights come from init_parameters. With SP each tp rank drops out its own
+    # positions: its own stream (Megatron's model-parallel RNG), not tp copies of one mask
+    torch.manual_seed(args.seed + 100 * state.pp_rank + (state.tp_rank if args.sequence_parallel else 0))
     cfg = GPTConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -284,6 +286,7 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
         attention_backend=args.attention_backend,
         seed=args.seed,
         moe=moe_config(args),
+        sequence_parallel=state.layout.sequence_parallel,
     )
     model = GPTModel(cfg, state).to(device)
     print_on(
@@ -303,11 +306,12 @@ def _build_forward_backward(
     """pp = 1: a loop over the micro-batches; pp > 1: GPipe, 1F1B or interleaved 1F1B (v > 1)."""
     if state.pp == 1:
         return forward_backward
+    sp = state.tp if state.layout.sequence_parallel else 1  # SP: T / tp per rank
     shape = (
         args.micro_batch_size,
-        args.seq_length // state.cp,
+        args.seq_length // (state.cp * sp),
         args.hidden_size,
-    )  # (b, T/cp, H) between stages
+    )  # (b, T/cp/sp, H) between stages
     spec = P2PSpec(shape, torch.float32, device, timeout_s=60 * args.distributed_timeout_minutes)
     return PipelineForwardBackward(
         state, spec, schedule=args.pipeline_schedule, timeline=timeline, chunks=state.vp

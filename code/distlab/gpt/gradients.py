@@ -15,11 +15,16 @@ gradient of its share of the loss, ``sum_k d(loss_k x S / m)`` (``S`` the fp16 l
    ``dp cp / ep`` ranks that hold the same experts, still divided by dp cp: each rank's expert
    gradient already sums the tokens its ep group's ranks sent it, so the sum over the
    expert-data-parallel group covers all dp ranks' tokens once;
-3. fp16: divide by ``S`` and look for inf / nan on any rank (the step is then skipped);
-4. global norm ``||g|| = sqrt(sum_p ||g_p||^2)`` over the model-parallel ranks, each parameter
+3. sequence parallel (``--sequence-parallel``): ``g = sum_r g_r`` over ``state.tp_group`` for
+   the replicated parameters applied to sequence shards (tagged ``sequence_parallel``: the
+   LayerNorms, row-parallel biases, the position table), each rank having the gradient of its
+   T / tp positions only; one flat all-reduce, after step 2 (the two sums are over different
+   ranks and commute; an overlapped bucket writes its average back into ``.grad`` at ``finish``);
+4. fp16: divide by ``S`` and look for inf / nan on any rank (the step is then skipped);
+5. global norm ``||g|| = sqrt(sum_p ||g_p||^2)`` over the model-parallel ranks, each parameter
    counted once (a replicated one on tp rank 0, E's copy on the last stage not at all, each
    expert on the ep rank that holds it);
-5. clipping: every gradient times ``min(1, clip / ||g||)``.
+6. clipping: every gradient times ``min(1, clip / ||g||)``.
 """
 
 from __future__ import annotations
@@ -43,9 +48,10 @@ def reduce_gradients(
     state: ParallelState,
     buckets: GradBuckets | None = None,
 ) -> None:
-    """Steps 1 and 2: sum the tied embedding's two gradients, then average over dp x cp through
-    ``buckets`` (``grad_buckets.py``; default: one bucket of all dense ``params``, reduced now);
-    experts: sum over the expert-data-parallel group, divide by dp x cp."""
+    """Steps 1 to 3: sum the tied embedding's two gradients, average over dp x cp through
+    ``buckets`` (``grad_buckets.py``; default: one bucket of all dense ``params``, reduced now;
+    experts: sum over the expert-data-parallel group, divide by dp x cp), then sum the
+    sequence-parallel parameters' gradients over tp."""
     if tied_weight is not None and state.embedding_group is not None:
         if tied_weight.grad is None:
             tied_weight.grad = torch.zeros_like(tied_weight)
@@ -60,6 +66,9 @@ def reduce_gradients(
     if experts:
         edp = state.layout.expert_data_size // state.ep
         _all_reduce_mean(experts, state.edp_group if edp > 1 else None, state.layout.expert_data_size)
+    if state.layout.sequence_parallel:
+        sharded = [p.grad for p in params if p.grad is not None and getattr(p, "sequence_parallel", False)]
+        _all_reduce_mean(sharded, state.tp_group, 1)
 
 
 def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
@@ -77,7 +86,7 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
 
 
 def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> torch.Tensor:
-    """Step 4: global L2 norm of the gradients (fp32 scalar), counted once per distinct parameter."""
+    """Step 5: global L2 norm of the gradients (fp32 scalar), counted once per distinct parameter."""
     tp_rank = state.tp_rank if state is not None else 0
     pp = state.pp if state is not None else 1
     ep = state.ep if state is not None else 1
@@ -116,7 +125,7 @@ def _collective_device() -> torch.device:
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """Step 5: scale all gradients by ``min(1, max_norm / norm)`` (no-op when ``max_norm`` is 0)."""
+    """Step 6: scale all gradients by ``min(1, max_norm / norm)`` (no-op when ``max_norm`` is 0)."""
     if max_norm <= 0:
         return
     coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -142,7 +151,7 @@ def finalize_gradients(
     clip_grad: float,
     buckets: GradBuckets | None = None,
 ) -> Gradients:
-    """Steps 1 to 5 (``loss_scale`` None: no fp16 scaling). Gradients are left unclipped when
+    """Steps 1 to 6 (``loss_scale`` None: no fp16 scaling). Gradients are left unclipped when
     the norm is not finite: the step that follows is skipped."""
     reduce_gradients(params, tied_weight, state, buckets)
     if loss_scale is not None and unscale_and_check(params, loss_scale):

@@ -77,6 +77,8 @@ class Layout:
     """``(first sample, global batch)`` steps of a ramp, ending at B; empty: B throughout."""
     vp: int = 1
     """v, model chunks (virtual pipeline stages) per pipeline rank: interleaved 1F1B when > 1."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``: outside the tp GEMMs each tp rank keeps T / tp of the sequence."""
 
     def __post_init__(self) -> None:
         given = {d: getattr(self, d) for d in ORDER if d != "dp"}
@@ -91,6 +93,11 @@ class Layout:
                 f"launch a multiple of {model_parallel} processes or change the sizes"
             )
         self._check_experts()
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "--sequence-parallel needs --tensor-model-parallel-size > 1, got 1: sequence parallelism "
+                "splits the sequence over the tensor-parallel ranks; drop the flag or raise the size"
+            )
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.dp)
         self._check_batch()
@@ -166,12 +173,18 @@ class Layout:
         self, *, num_layers: int, num_attention_heads: int, hidden_size: int, seq_length: int | None = None
     ) -> None:
         """Heads and hidden size must split over ``tp``, layers over ``pp``, the sequence into
-        ``2 cp`` chunks (the load-balanced causal split of ``context_parallel.py``)."""
+        ``2 cp`` chunks (the load-balanced causal split of ``context_parallel.py``) and, with
+        sequence parallelism, over ``tp``."""
         errors = []
         if seq_length is not None and self.cp > 1 and seq_length % (2 * self.cp):
             errors.append(
                 f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {self.cp} "
                 f"= {2 * self.cp} (each cp rank holds two of the 2 cp equal chunks)"
+            )
+        if self.sequence_parallel and seq_length is not None and seq_length % self.tp:
+            errors.append(
+                f"--seq-length {seq_length} is not divisible by --tensor-model-parallel-size {self.tp}, "
+                f"which --sequence-parallel splits it over: use a multiple of {self.tp}"
             )
         if num_attention_heads % self.tp:
             errors.append(

@@ -37,6 +37,19 @@ So a block keeps, in bytes::
 
 against Korthikanti's sbh (34 + 5as/h), which has half residuals, dropout masks and a half softmax.
 
+**Sequence parallelism** (``--sequence-parallel``, tp > 1) splits what stayed whole along the
+sequence: the residual stream (2 sbh, fp32) and the LayerNorm outputs (2 sbh: the column-parallel
+GEMM keeps only its T / t shard and gathers it again in backward) become 2 sbh / t each, so every
+term is divided by t::
+
+                         fused attention      explicit attention
+    fp32                 4 sbh (16) / t       4 sbh (16 + as/h) / t
+    autocast fp16/bf16     sbh (36) / t         sbh (36 + 6 as/h) / t
+
+as Korthikanti's sbh (10 + 24/t + 5as/(ht)) with tp alone becomes sbh/t (34 + 5as/h) with SP.
+A checkpointed group's input (full recomputation) and the final LayerNorm's input and output
+are T / t of the sequence as well.
+
 **Recomputation** (``recompute.py``, Megatron's flags), per block and micro-batch::
 
     none                     the block, as above
@@ -148,8 +161,14 @@ class MemorySetup:
     """E, experts per MoE layer (None: dense MLPs)."""
     ep: int = 1
     """Expert-model-parallel size: each rank holds E / ep experts per layer."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``: activations outside the tp GEMMs split along s over tp."""
 
     def __post_init__(self) -> None:
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "sequence parallelism needs tp > 1, got tp 1: drop sequence_parallel or raise tp"
+            )
         if self.precision not in ("fp32", *_HALF):
             raise ValueError(f"precision {self.precision!r} must be fp32, fp16 or bf16")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -207,6 +226,7 @@ class MemorySetup:
             fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
             num_experts=args.num_experts,
             ep=layout.ep,
+            sequence_parallel=layout.sequence_parallel,
         )
 
 
@@ -226,9 +246,14 @@ def stage_parameters(c: MemorySetup) -> int:
     return n + (2 * h if c.pp == 1 else 0)
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1) -> float:
-    """Activations of one layer in half precision (Korthikanti et al. 2022, eq. 1 and 2):
-    s b h (34 + 5 a s / h) without tp, s b h (10 + 24/t + 5 a s / (h t)) with t-way tp."""
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False
+) -> float:
+    """Activations of one layer in half precision (Korthikanti et al. 2022, eq. 1, 2 and 4):
+    s b h (34 + 5 a s / h) without tp, s b h (10 + 24/t + 5 a s / (h t)) with t-way tp, and
+    s b h / t (34 + 5 a s / h) with tp and sequence parallelism."""
+    if sequence_parallel:
+        return s * b * h / tp * (34 + 5 * a * s / h)
     if tp == 1:
         return s * b * h * (34 + 5 * a * s / h)
     return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
@@ -243,6 +268,11 @@ def _sbh(c: MemorySetup) -> int:
     return _local_seq(c) * c.micro_batch_size * c.hidden_size
 
 
+def _outside_sbh(c: MemorySetup) -> float:
+    """s b h values of a tensor outside the tp GEMMs on one rank: / t with sequence parallelism."""
+    return _sbh(c) / c.tp if c.sequence_parallel else _sbh(c)
+
+
 def scores_bytes(c: MemorySetup) -> float:
     """The softmax probabilities the explicit attention keeps, b (a / t) s^2 values: fp32, plus
     their half copy under autocast; 0 with fused attention and with ring attention (cp > 1)."""
@@ -255,8 +285,9 @@ def scores_bytes(c: MemorySetup) -> float:
 def block_bytes(c: MemorySetup) -> float:
     """One block's stored activations without recomputation (see the module docstring)."""
     per_value = 2 if c.precision in _HALF else 4
-    residual, whole, split = 2, 2, 12  # fp32 LN inputs; LN outputs; split by tp
-    return _sbh(c) * (4 * residual + per_value * (whole + split / c.tp)) + scores_bytes(c)
+    residual, whole, split = 2, 2, 12  # fp32 LN inputs; LN outputs (/ t with SP); split by tp
+    outside = _outside_sbh(c) * (4 * residual + per_value * whole)
+    return outside + _sbh(c) * per_value * split / c.tp + scores_bytes(c)
 
 
 def _groups(c: MemorySetup) -> list[tuple[int, int, bool]]:
@@ -269,7 +300,9 @@ def chunk_layers_bytes(c: MemorySetup) -> float:
     recomputation mode; with v = 1 the chunk is the stage."""
     if c.recompute_granularity == "selective":
         return (c.num_layers // (c.pp * c.vp)) * (block_bytes(c) - scores_bytes(c))
-    kept = [4 * _sbh(c) if ckpt else (end - first) * block_bytes(c) for first, end, ckpt in _groups(c)]
+    kept = [
+        4 * _outside_sbh(c) if ckpt else (end - first) * block_bytes(c) for first, end, ckpt in _groups(c)
+    ]
     return sum(kept)  # a checkpointed group keeps its fp32 input only
 
 
@@ -298,13 +331,13 @@ def recompute_extra_bytes(c: MemorySetup) -> float:
     if c.recompute_granularity == "selective":
         return scores_bytes(c)
     rebuilt = [end - first for first, end, ckpt in _groups(c) if ckpt]
-    return max(rebuilt) * block_bytes(c) - 4 * _sbh(c) if rebuilt else 0.0
+    return max(rebuilt) * block_bytes(c) - 4 * _outside_sbh(c) if rebuilt else 0.0
 
 
 def head_bytes(c: MemorySetup) -> float:
-    """Loss head: final LN in/out (2 sbh fp32) and three b s V fp32 tensors at its backward."""
+    """Loss head: final LN in/out (2 sbh fp32, / t with SP) and three b s V fp32 tensors at its backward."""
     bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / c.tp
-    return 4 * (2 * _sbh(c) + 3 * bsv)
+    return 4 * (2 * _outside_sbh(c) + 3 * bsv)
 
 
 def activation_bytes(c: MemorySetup) -> float:

@@ -11,7 +11,10 @@ For tokens ``x`` (b, T) (one micro-batch) and L blocks (notation: ``distlab.gpt`
 Tensor parallelism (``tensor_parallel.py``): ``qkv`` and ``fc1`` are column-parallel, ``proj``
 and ``fc2`` row-parallel, E is vocabulary-parallel and the loss is the vocabulary-parallel
 cross-entropy of the (b, T, V / tp) logit slices. With tp = 1 these are the same layers with
-no group: one code path for every layout. The qkv output features are ordered
+no group: one code path for every layout. Sequence parallelism (``--sequence-parallel``) keeps
+the residual stream, the LayerNorms and dropout on this rank's T / tp positions, (b, T / tp, H),
+split along dim 1 from the embedding's reduce-scatter to the output layer's all-gather; only
+attention and the MLP's GeLU see the whole sequence (on their H / tp slice). The qkv output features are ordered
 ``(head, {q,k,v}, head_dim)``, so a contiguous slice of rows is a set of whole heads.
 
 Pipeline parallelism (``pipeline_parallel.py``): a stage holds the embedding only if it is the
@@ -65,6 +68,7 @@ from distlab.gpt.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    mark_sequence_parallel,
     parallel_lm_logits,
     shard,
     vocab_parallel_cross_entropy,
@@ -104,6 +108,8 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5
     moe: MoEConfig | None = None
     """None: dense MLPs; else every block's MLP is a mixture of experts (tp = pp = 1)."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``: activations outside the tp GEMMs split along T (needs tp > 1)."""
 
     @property
     def ffn(self) -> int:
@@ -143,19 +149,23 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.explicit = cfg.attention_backend in EXPLICIT_BACKENDS
         self.recompute = cfg.recompute_granularity == "selective"
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, group=group)
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, group=group)
+        sp = cfg.sequence_parallel
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, 3 * cfg.hidden_size, group=group, sequence_parallel=sp
+        )
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, group=group, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, T, _ = x.shape  # x: (b, T, H), replicated over the tp ranks
-        qkv = self.qkv(x)  # f (identity forward, all-reduce of dx backward), then (b, T, 3H/tp)
+        # x: (b, T, H) replicated over the tp ranks, or (b, T/tp, H) with sequence parallelism
+        qkv = self.qkv(x)  # f (or all-gather along T), then (b, T, 3H/tp)
+        b, T, _ = qkv.shape
         q, k, v = qkv.view(b, T, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
             y = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
         else:
             y = self.core_attention(q, k, v)
         y = y.transpose(1, 2).reshape(b, T, self.heads * self.head_dim)  # (b, T, H/tp)
-        return self.proj(y)  # partial (b, T, H) per rank, then g: all-reduce forward
+        return self.proj(y)  # partial (b, T, H) per rank, then g (all-reduce) or g-bar (reduce-scatter)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(Q K^T / sqrt(d)) V, causal: each (b, n/tp, T, H/n) -> (b, n/tp, T, H/n)
@@ -173,17 +183,20 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig, group) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn, group=group)
-        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden_size, group=group)
+        sp = cfg.sequence_parallel
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn, group=group, sequence_parallel=sp)
+        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden_size, group=group, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (b, T, H)
-        y = F.gelu(self.fc1(x))  # f, then (b, T, F/tp): no communication between fc1 and fc2
-        return self.fc2(y)  # partial (b, T, H) per rank, then g: all-reduce forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (b, T, H), or (b, T/tp, H) with SP
+        y = F.gelu(self.fc1(x))  # f (or all-gather), then (b, T, F/tp): nothing between fc1 and fc2
+        return self.fc2(y)  # partial (b, T, H) per rank, then g (all-reduce) or g-bar (reduce-scatter)
 
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: per direction, one f and one g around attention and
-    around the MLP, so 2 all-reduces forward and 2 backward when tp > 1."""
+    around the MLP, so 2 all-reduces forward and 2 backward when tp > 1. With sequence
+    parallelism: 2 all-gathers and 2 reduce-scatters forward; backward 2 reduce-scatters and
+    4 all-gathers (2 of them gather the GEMM inputs again for the weight gradients)."""
 
     def __init__(
         self, cfg: GPTConfig, group, tp: int, state: ParallelState | None = None, ring: Ring | None = None
@@ -199,8 +212,11 @@ class Block(nn.Module):
             ep_group = state.ep_group if ep > 1 else None
             self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, ep_group=ep_group, ep=ep, ep_rank=ep_rank)
         self.drop = nn.Dropout(cfg.hidden_dropout)
+        if cfg.sequence_parallel:
+            for p in (*self.ln1.parameters(), *self.ln2.parameters()):
+                mark_sequence_parallel(p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, T, H) -> (b, T, H)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, T, H) -> (b, T, H); T/tp with SP
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.mlp(self.ln2(x)))
 
@@ -221,8 +237,16 @@ class GPTModel(nn.Module):
                 f"--attention-dropout {cfg.attention_dropout} with --context-parallel-size {state.cp}: "
                 f"ring attention has no dropout; set it to 0"
             )
+        if cfg.sequence_parallel and tp == 1:
+            raise ValueError(
+                "sequence parallelism needs tensor-parallel size > 1, got 1: drop --sequence-parallel "
+                "or raise --tensor-model-parallel-size"
+            )
+        self.sp_rank = state.tp_rank if cfg.sequence_parallel else 0  # which T/tp positions are here
         if self.is_first:
-            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=self.tp_group)
+            self.wte = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, group=self.tp_group, sequence_parallel=cfg.sequence_parallel
+            )
             self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # P: (T_max, H)
             self.drop = nn.Dropout(cfg.hidden_dropout)
         self.chunks, self.per_chunk = vp, cfg.num_layers // (pp * vp)
@@ -249,11 +273,16 @@ class GPTModel(nn.Module):
                 self.output_weight.partition_dim = 0
                 self.output_weight.init_name = "wte.weight"  # drawn as E: equal from the start
                 self.output_weight.shared_embedding = True  # counted once by the gradient norm
+            if cfg.sequence_parallel:
+                mark_sequence_parallel(self.ln_f.weight)
+                mark_sequence_parallel(self.ln_f.bias)
+        if self.is_first and cfg.sequence_parallel:
+            mark_sequence_parallel(self.wpe.weight)  # rank r adds (and differentiates) rows of its T/tp
         self.input_tensor: torch.Tensor | None = None  # hidden states from the previous stage
         init_parameters(self, cfg, state)
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        """Hidden states (b, T, H) this stage starts from when it is not the first."""
+        """Hidden states (b, T, H), (b, T/tp, H) with SP, this stage starts from when it is not the first."""
         self.input_tensor = tensor
 
     def output_embedding(self) -> torch.Tensor:
@@ -272,15 +301,15 @@ class GPTModel(nn.Module):
     ) -> torch.Tensor:
         """tokens (b, T) -> per-token loss (b, T) if labels are given on the last (virtual) stage,
         logits (b, T, V) without labels, hidden states (b, T, H) on other stages and chunks (T: this
-        rank's T / cp tokens with context parallelism)."""
+        rank's T / cp tokens with context parallelism; T / tp outside the GEMMs with SP)."""
         if self.is_first and chunk == 0:
-            T = tokens.shape[1]
-            pos = (
-                torch.arange(T, device=tokens.device)
-                if self.ring is None
-                else positions(T, self.ring, tokens.device)
-            )
-            h = self.drop(self.wte(tokens) + self.wpe(pos))  # (b, T, H)
+            h = self.wte(tokens)  # (b, T, H), or this rank's (b, T/tp, H) with SP
+            if self.ring is not None:  # CP: this rank's two chunks of the sequence
+                pos = positions(tokens.shape[1], self.ring, tokens.device)
+            else:
+                first = self.sp_rank * h.shape[1]  # SP: my positions start at tp_rank x T/tp
+                pos = torch.arange(first, first + h.shape[1], device=tokens.device)
+            h = self.drop(h + self.wpe(pos))  # (b, T, H) or (b, T/tp, H)
         else:
             h = self.input_tensor
         blocks = list(self.layers.values())[chunk * self.per_chunk : (chunk + 1) * self.per_chunk]
@@ -291,7 +320,9 @@ class GPTModel(nn.Module):
                 h = _run_blocks(blocks[first:end], h)
         if not (self.is_last and chunk == self.chunks - 1):
             return h
-        logits = parallel_lm_logits(self.ln_f(h), self.output_embedding(), self.tp_group)  # (b, T, V/tp)
+        logits = parallel_lm_logits(  # (b, T, V/tp): all-gathered along T first with SP
+            self.ln_f(h), self.output_embedding(), self.tp_group, self.cfg.sequence_parallel
+        )
         if labels is None:
             return gather_from_tensor_parallel(logits, self.tp_group)  # (b, T, V)
         loss = vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32

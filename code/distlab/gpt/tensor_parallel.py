@@ -9,6 +9,12 @@ communication is one ``f`` before ``A`` and one ``g`` after ``C`` (see
 projection is column-parallel (the model orders its output features by head, so a contiguous
 slice of rows holds whole heads) and the output projection is row-parallel.
 
+With ``sequence_parallel=True`` (``--sequence-parallel``, tp > 1) the activations between the
+layers are this rank's ``T_p = T / p`` positions, (b, T_p, H): a column-parallel layer all-gathers
+them (in ``f``'s place), a row-parallel layer and the embedding reduce-scatter their sums (in
+``g``'s place), and a parameter applied to the shards (LayerNorms, the row-parallel bias, the
+position table) gets a partial gradient, tagged ``sequence_parallel`` for ``gradients.py`` to sum.
+
 With ``group=None`` (or one rank) every layer is the plain layer: the communication operators
 are identities, so a tp = 1 run goes through the same code.
 
@@ -33,7 +39,9 @@ from .tp_communications import (
     gather_from_tensor_parallel,
     group_rank,
     group_size,
+    linear_with_sequence_gather,
     reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
 
@@ -53,6 +61,12 @@ def _mark_partitioned(param: nn.Parameter, dim: int, stride: int = 1) -> None:
     and by the gradient norm, which counts a replicated parameter once)."""
     param.partition_dim = dim
     param.partition_stride = stride
+
+
+def mark_sequence_parallel(param: nn.Parameter) -> None:
+    """Tag a replicated parameter applied to sequence shards (Megatron's ``sequence_parallel``
+    attribute): each tp rank holds the gradient of its T / p positions, summed over the group."""
+    param.sequence_parallel = True
 
 
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
@@ -104,8 +118,9 @@ class ColumnParallelLinear(nn.Module):
     """Y = XA + b, A = [A_1, ..., A_p] split by columns; rank r computes Y_r = X A_r + b_r.
 
     The input X (b, T, H_in) is replicated; ``f`` (identity forward, all-reduce backward) sums
-    the p partial input gradients. The output is (b, T, H_out_p), or the full (b, T, H_out)
-    with ``gather_output=True``. PyTorch stores ``A^T``, so "columns of A" are rows of ``weight``.
+    the p partial input gradients. With ``sequence_parallel`` X is (b, T_p, H_in), all-gathered
+    along T forward and its gradient reduce-scattered backward. The output is (b, T, H_out_p), or
+    the full (b, T, H_out) with ``gather_output=True``. PyTorch stores ``A^T``, so "columns of A" are rows of ``weight``.
     """
 
     def __init__(
@@ -117,9 +132,10 @@ class ColumnParallelLinear(nn.Module):
         stride: int = 1,
         group: Group,
         bias: bool = True,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
-        self.gather_output, self.stride = gather_output, stride
+        self.gather_output, self.stride, self.sequence_parallel = gather_output, stride, sequence_parallel
         _init_linear(self, in_features, out_features, group, split_dim=0, bias=bias)
 
     @torch.no_grad()
@@ -131,8 +147,10 @@ class ColumnParallelLinear(nn.Module):
             self.bias.copy_(shard(bias, 0, p, r, self.stride))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel(x, self.group)  # (b, T, H_in), f
-        y = F.linear(x, self.weight, self.bias)  # (b, T, H_out_p)
+        if self.sequence_parallel:  # (b, T_p, H_in), all-gathered along T
+            y = linear_with_sequence_gather(x, self.weight, self.bias, self.group)  # (b, T, H_out_p)
+        else:
+            y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)  # f, (b, T, H_out_p)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -148,7 +166,9 @@ class RowParallelLinear(nn.Module):
     The input is (b, T, H_in_p), already split (the output of a ColumnParallelLinear), or the
     full (b, T, H_in) with ``input_is_parallel=False``. ``g`` (all-reduce forward, identity
     backward) sums the partial products; the bias is added once, after the sum, and is
-    replicated (its gradient is the same on every rank).
+    replicated (its gradient is the same on every rank). With ``sequence_parallel`` the sum is
+    reduce-scattered along T instead (``g-bar``): the output is (b, T_p, H_out), and the bias,
+    added to the shard, gets a partial gradient (tagged ``sequence_parallel``).
     """
 
     def __init__(
@@ -159,10 +179,13 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         group: Group,
         bias: bool = True,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
-        self.input_is_parallel, self.stride = input_is_parallel, 1
+        self.input_is_parallel, self.stride, self.sequence_parallel = input_is_parallel, 1, sequence_parallel
         _init_linear(self, in_features, out_features, group, split_dim=1, bias=bias)
+        if bias and sequence_parallel:
+            mark_sequence_parallel(self.bias)
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -175,7 +198,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.group)  # (b, T, H_in) -> (b, T, H_in_p)
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)  # (b, T, H_out), g
+        partial = F.linear(x, self.weight)  # (b, T, H_out), this rank's share of the sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel(partial, self.group)  # (b, T_p, H_out), g-bar
+        else:
+            y = reduce_from_tensor_parallel(partial, self.group)  # (b, T, H_out), g
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -186,7 +213,8 @@ class VocabParallelEmbedding(nn.Module):
     """Y[t] = E[x_t], E = [E_1; ...; E_p] split by vocabulary rows; Y = sum_r E_r[x_t] (masked).
 
     Rank r holds rows ``[r V_p, (r+1) V_p)``; a token outside them gives zeros there, and ``g``
-    sums the p partial lookups (exactly one of which is non-zero). ``num_embeddings`` must
+    sums the p partial lookups (exactly one of which is non-zero); with ``sequence_parallel`` it
+    reduce-scatters them along T (``g-bar``): (b, T) -> (b, T_p, H). ``num_embeddings`` must
     already be padded to a multiple of p (:func:`pad_vocab_size`).
     """
 
@@ -196,9 +224,10 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         group: Group,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
-        p = group_size(group)
+        p, self.sequence_parallel = group_size(group), sequence_parallel
         if num_embeddings % p:
             raise ValueError(
                 f"VocabParallelEmbedding: vocabulary {num_embeddings} is not divisible by "
@@ -222,6 +251,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)  # (b, T)
         local = (tokens - self.vocab_start).masked_fill(outside, 0)  # (b, T), valid row indices
         y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (b, T, H)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel(y, self.group)  # (b, T_p, H)
         return reduce_from_tensor_parallel(y, self.group)
 
     def extra_repr(self) -> str:
@@ -229,12 +260,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def parallel_lm_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    sequence_parallel: bool = False,
 ) -> torch.Tensor:
     """logits_r = h E_r^T: this rank's vocabulary slice of the logits (tied output layer).
 
-    hidden (b, T, H) replicated, weight (V_p, H) this rank's embedding rows -> (b, T, V_p).
+    hidden (b, T, H) replicated, or (b, T_p, H) all-gathered along T with ``sequence_parallel``;
+    weight (V_p, H) this rank's embedding rows -> (b, T, V_p).
     """
+    if sequence_parallel:
+        return linear_with_sequence_gather(hidden, weight, None, group)
     return F.linear(copy_to_tensor_parallel(hidden, group), weight)
 
 
