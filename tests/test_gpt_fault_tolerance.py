@@ -283,3 +283,11 @@ def test_a_rank_is_the_process_that_runs_the_script_not_its_launcher():
     assert not faults.runs_script([py, "/venv/bin/torchrun", "--nnodes=2", script])  # the agent names it
     assert not faults.runs_script([py, "-m", "torch.distributed.run", script])
     assert not faults.runs_script([py, "-c", "import x", script]) and not faults.runs_script([py])
+
+
+def test_the_nodes_side_of_faults_starts_without_torch() -> None:
+    """``python -m distlab.faults`` runs on the nodes between two iterations of the run it signals:
+    importing torch there (2 s or more on a loaded node) lets a short run end before its kill."""
+    code = "import sys, distlab.faults; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out

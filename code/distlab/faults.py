@@ -159,19 +159,29 @@ def _overlap(job: Job, *command: str) -> list[str]:
             "--cpus-per-task=1", *command]  # fmt: skip
 
 
-def rank_pids(job: Job) -> dict[int, tuple[str, int]]:
-    """rank -> (node, pid) of the job's training processes, asked on every node of the job."""
-    out = subprocess.run(
-        _overlap(job, sys.executable, "-m", "distlab.faults", "pids", "--job", str(job.id)),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    if out.returncode:
-        raise RuntimeError(f"srun --overlap into job {job.id} failed: {out.stderr.strip()}")
-    found = {}
-    for line in out.stdout.splitlines():
-        node, rank, pid = line.split()
-        found[int(rank)] = (node, int(pid))
-    return found
+def rank_pids(job: Job, expected: int | None = None, timeout: float = 60) -> dict[int, tuple[str, int]]:
+    """rank -> (node, pid) of the job's training processes, asked on every node of the job; with
+    ``expected``, asked again until that many ranks are found (a loaded node may list a worker
+    before its environment is readable), else a RuntimeError naming the ranks found."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(
+            _overlap(job, sys.executable, "-m", "distlab.faults", "pids", "--job", str(job.id)),
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if out.returncode:
+            raise RuntimeError(f"srun --overlap into job {job.id} failed: {out.stderr.strip()}")
+        found = {}
+        for line in out.stdout.splitlines():
+            node, rank, pid = line.split()
+            found[int(rank)] = (node, int(pid))
+        if expected is None or len(found) >= expected:
+            return found
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"job {job.id}: found ranks {sorted(found)} of {expected} after {timeout:.0f} s"
+            )
+        time.sleep(0.5)
 
 
 def inject(job: Job, rank: int, sig: str = "KILL", after_iteration: int = 0) -> subprocess.Popen:
@@ -209,6 +219,26 @@ def wait_for_iteration(job: Job, iteration: int, timeout: float = 300) -> int:
             return seen
         if refresh(job).state.split()[0] in FINAL_STATES or time.monotonic() > deadline:
             raise RuntimeError(f"job {job.id} is {job.state} and its log stops at iteration {seen}")
+        time.sleep(0.05)
+
+
+def wait_for_attempt(job: Job, number: int, timeout: float = 300) -> float:
+    """Poll until the ``number``-th training attempt in the job's log has logged an iteration; return
+    the seconds waited. Called right after a kill, that is the **restart cost** R: the failure
+    noticed, the agents' new rendezvous, fresh processes (imports, process groups, the checkpoint
+    loaded) and one iteration."""
+    from distlab.logs.restarts import attempts  # here: the nodes' side of this module stays torch-free
+
+    start = time.monotonic()
+    deadline = start + timeout
+    while True:
+        runs = attempts(job.log())
+        if len(runs) >= number and runs[number - 1].losses:
+            return time.monotonic() - start
+        if refresh(job).state.split()[0] in FINAL_STATES or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"job {job.id} is {job.state} and its log shows {len(runs)} attempt(s), not {number}"
+            )
         time.sleep(0.05)
 
 
