@@ -2,9 +2,10 @@
 
     build_run(args, layout, ctx)   process groups of the validated layout and the banner,
                                    tokenizer and padded vocabulary, datasets, memory cap and
-                                   meter, model (FSDP2: fully_shard, before the optimizer is
-                                   built on its shards), optimizer, precision and loss scaler, LR
-                                   schedule, forward/backward, the step back end, --load
+                                   meter, model (DTensor TP: parallelize_module; FSDP2:
+                                   fully_shard; both before the optimizer is built on the
+                                   shards), optimizer, precision and loss scaler, LR schedule,
+                                   forward/backward, the step back end, --load
 
 Start-up lines follow Megatron's, printed by rank 0 (the parameter count by every
 data-parallel rank 0: one line per model shard). :meth:`Run.step` is the one function that
@@ -13,7 +14,9 @@ this engine's own (``training.LocalBackend``), with ``--deepspeed`` DeepSpeed's 
 (``deepspeed_engine.DeepSpeedBackend``: ZeRO shards the gradients and wraps the run's own
 optimizer, whose learning rate the schedule still sets) or, with ``--use-torch-fsdp2``,
 PyTorch's FSDP2 (``fsdp2.FSDP2Backend``: ``fully_shard`` turns the parameters into DTensor shards
-before the run's own optimizer is built on them).
+before the run's own optimizer is built on them). ``--tensor-parallel-impl dtensor`` builds the
+model whole and splits it with ``dtensor_parallel``'s plan on the run's one ``DeviceMesh`` (before
+FSDP2 when both are given), stepping through the same back end.
 """
 
 from __future__ import annotations
@@ -28,7 +31,15 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, print_on
-from distlab.gpt import checkpointing, deepspeed_config, deepspeed_engine, dist_checkpointing, fsdp2, log
+from distlab.gpt import (
+    checkpointing,
+    deepspeed_config,
+    deepspeed_engine,
+    dist_checkpointing,
+    dtensor_parallel,
+    fsdp2,
+    log,
+)
 from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
 from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
@@ -143,7 +154,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         _warm_up_kernels(args, precision)
     peak_meter = PeakMeter(device).start()
     model = _build_model(args, state, vocab, device)
-    mesh = fully_shard_model(args, layout, model, device) if args.use_torch_fsdp2 else None
+    mesh = parallelize_model(args, layout, model, device)
     optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()  # on the shards with FSDP2
     timeline = None
     if args.pipeline_timeline:
@@ -167,7 +178,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         peak_meter=peak_meter,
         backend=LocalBackend(model, optimizer, state, clip_grad=args.clip_grad, scaler=scaler)
         if mesh is None
-        else fsdp2.FSDP2Backend(model, optimizer, mesh, clip_grad=args.clip_grad),
+        else fsdp2.FSDP2Backend(model, optimizer, clip_grad=args.clip_grad),
         checkpointer=dist_checkpointing.Checkpointer(args, state, device),
     )
     if args.deepspeed:
@@ -193,14 +204,25 @@ def use_deepspeed(run: Run) -> None:
     run.deepspeed_config, run.backend = config, deepspeed_engine.DeepSpeedBackend(engine)
 
 
-def fully_shard_model(
+def parallelize_model(
     args: PretrainArgs, layout: Layout, model: GPTModel, device: torch.device
-) -> DeviceMesh:
-    """``--use-torch-fsdp2``: ``fully_shard`` every block and the root over the dp mesh; the mesh."""
-    config = fsdp2.FSDP2Config.from_args(args)
-    mesh = fsdp2.build_mesh(layout, device)
-    fsdp2.shard_model(model, mesh, config, device)
-    print_on(mesh.get_rank() == 0, config.describe(mesh, len(model.layers)))
+) -> DeviceMesh | None:
+    """PyTorch's parallel API on the run's one ``DeviceMesh`` (None without it): DTensor TP
+    (``--tensor-parallel-impl dtensor``) over ``mesh["tp"]``, then ``--use-torch-fsdp2``'s
+    ``fully_shard`` of every block and the root over ``mesh["dp"]``, in place."""
+    dtensor = args.tensor_parallel_impl == "dtensor" and layout.tp > 1
+    if not (dtensor or args.use_torch_fsdp2):
+        return None
+    mesh = dtensor_parallel.device_mesh(layout, device)
+    rank0 = mesh.get_rank() == 0
+    print_on(rank0, dtensor_parallel.describe_mesh(mesh))
+    if dtensor:
+        plan = dtensor_parallel.parallelize(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
+        print_on(rank0, dtensor_parallel.describe_plan(plan, mesh["tp"]))
+    if args.use_torch_fsdp2:
+        config = fsdp2.FSDP2Config.from_args(args)
+        fsdp2.shard_model(model, mesh["dp"], config, device)
+        print_on(rank0, config.describe(mesh["dp"], len(model.layers)))
     return mesh
 
 
@@ -254,7 +276,8 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
         attention_backend=args.attention_backend,
         seed=args.seed,
     )
-    model = GPTModel(cfg, state).to(device)
+    dtensor = args.tensor_parallel_impl == "dtensor"  # unsharded here, split by parallelize_model
+    model = GPTModel(cfg, None if dtensor else state).to(device)
     print_on(
         state.dp_rank == 0,
         PARAMETERS.format(

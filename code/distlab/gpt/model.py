@@ -116,9 +116,8 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout
 class SelfAttention(nn.Module):
     """Causal multi-head attention; this rank computes ``n / tp`` whole heads."""
 
-    def __init__(self, cfg: GPTConfig, group, tp: int) -> None:
+    def __init__(self, cfg: GPTConfig, group) -> None:
         super().__init__()
-        self.heads = cfg.num_attention_heads // tp  # this rank's heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.dropout = cfg.attention_dropout
         self.explicit = cfg.attention_backend in EXPLICIT_BACKENDS
@@ -129,12 +128,13 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, T, _ = x.shape  # x: (b, T, H), replicated over the tp ranks
         qkv = self.qkv(x)  # f (identity forward, all-reduce of dx backward), then (b, T, 3H/tp)
-        q, k, v = qkv.view(b, T, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        # n/tp heads: as many as the output holds (DTensor's ColwiseParallel shards an unsharded layer)
+        q, k, v = qkv.view(b, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
             y = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
         else:
             y = self.core_attention(q, k, v)
-        y = y.transpose(1, 2).reshape(b, T, self.heads * self.head_dim)  # (b, T, H/tp)
+        y = y.transpose(1, 2).flatten(2)  # (b, T, H/tp)
         return self.proj(y)  # partial (b, T, H) per rank, then g: all-reduce forward
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -162,10 +162,10 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block: per direction, one f and one g around attention and
     around the MLP, so 2 all-reduces forward and 2 backward when tp > 1."""
 
-    def __init__(self, cfg: GPTConfig, group, tp: int) -> None:
+    def __init__(self, cfg: GPTConfig, group) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attn = SelfAttention(cfg, group, tp)
+        self.attn = SelfAttention(cfg, group)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = MLP(cfg, group)
         self.drop = nn.Dropout(cfg.hidden_dropout)
@@ -200,7 +200,7 @@ class GPTModel(nn.Module):
         )
         first_layer = pp_rank * per_stage
         self.layers = nn.ModuleDict(
-            {str(i): Block(cfg, self.tp_group, tp) for i in range(first_layer, first_layer + per_stage)}
+            {str(i): Block(cfg, self.tp_group) for i in range(first_layer, first_layer + per_stage)}
         )
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
