@@ -19,8 +19,15 @@ communication steps; here PyTorch's schedule objects do.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -33,6 +40,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
 )
 
+from distlab.distributed import free_port, init_distributed, shutdown, torchrun_env
 from distlab.gpt.layout import Layout
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
@@ -104,9 +112,10 @@ def train_steps(
     schedule: PipelineScheduleSingle | PipelineScheduleMulti,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     lr: float,
+    step_s: list[float] | None = None,
 ) -> list[float]:
     """One AdamW step per (tokens, labels) batch (b m, T); the last stage's rank returns each
-    step's mean loss, the others an empty list."""
+    step's mean loss, the others an empty list. ``step_s`` collects each step's seconds."""
     ends = dist.new_group(sorted({0, dist.get_world_size() - 1}))  # collective: every rank
     params = [p for stage in stages for p in stage.submod.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr)
@@ -114,12 +123,39 @@ def train_steps(
     last = any(stage.is_last for stage in stages)
     out = []
     for tokens, labels in batches:
+        start = time.perf_counter()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses} if last else {}
         schedule.step(tokens, **kwargs) if first else schedule.step(**kwargs)
         tied_embedding_grad(stages, ends)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if step_s is not None:
+            step_s.append(time.perf_counter() - start)
         if last:
             out.append(float(torch.stack(losses).detach().mean()))  # m equal micro-batches: the batch's mean
     return out
+
+
+def _schedules_rank(rank: int, port: int, cfg: GPTConfig, batches: list, m: int, out: str) -> None:
+    os.environ.update(torchrun_env(rank, 2, port))
+    torch.set_num_threads(1)  # the two ranks share the notebook's cores
+    ctx = init_distributed("gloo")
+    results = {}
+    for name in SCHEDULES:
+        stages = build_stages(cfg, name, ctx.device)
+        step_s: list[float] = []
+        losses = train_steps(stages, build_schedule(stages, name, m), batches, 1e-2, step_s)
+        results[name] = {"losses": losses, "step_ms": [1000 * s for s in step_s]}
+    if rank == 1:  # the last stage's rank
+        Path(out, "schedules.json").write_text(json.dumps(results))
+    shutdown()
+
+
+def compare_schedules(cfg: GPTConfig, batches: list, num_micro_batches: int) -> dict:
+    """Every schedule on 2 spawned gloo ranks: ``{name: {"losses", "step_ms"}}`` per step."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(
+            _schedules_rank, args=(free_port(), cfg, batches, num_micro_batches, out), nprocs=2, join=True
+        )
+        return json.loads(Path(out, "schedules.json").read_text())
