@@ -36,7 +36,6 @@ from distlab.gpt import (
     deepspeed_config,
     deepspeed_engine,
     dist_checkpointing,
-    dtensor_parallel,
     fsdp2,
     log,
 )
@@ -213,6 +212,10 @@ def parallelize_model(
     dtensor = args.tensor_parallel_impl == "dtensor" and layout.tp > 1
     if not (dtensor or args.use_torch_fsdp2):
         return None
+    # imported only by runs that use it: torch.distributed.tensor.parallel imports FSDP, whose
+    # import before a DeepSpeed ZeRO-2 run leaves a gloo group's threads alive (main's c1bfd2c)
+    from distlab.gpt import dtensor_parallel
+
     mesh = dtensor_parallel.device_mesh(layout, device)
     rank0 = mesh.get_rank() == 0
     print_on(rank0, dtensor_parallel.describe_mesh(mesh))
