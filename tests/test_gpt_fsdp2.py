@@ -41,13 +41,10 @@ def data(tmp_path_factory) -> list[str]:
     return prepare_data(tmp_path_factory.mktemp("gptdata"), vocab_size=512, max_files=80).argv()
 
 
-def _train(ctx: DistContext, argv: list[str]) -> dict:
-    """build_run and train in this rank's existing group (no new process group per run)."""
-    from torch.distributed.tensor import DTensor
-
-    from distlab.gpt import fsdp2
+def train_in_group(ctx: DistContext, argv: list[str]) -> tuple:
+    """build_run and train in this rank's existing group (no new process group per run): the
+    run, its history and what it printed."""
     from distlab.gpt.build import build_run
-    from distlab.gpt.memory import memory_stats
     from distlab.gpt.pretrain import train
 
     args = parse_args(argv)
@@ -55,6 +52,16 @@ def _train(ctx: DistContext, argv: list[str]) -> dict:
     with contextlib.redirect_stdout(out):
         run = build_run(args, validate_args(args, ctx.world_size), ctx)
         history = train(run)
+    return run, history, out.getvalue()
+
+
+def _train(ctx: DistContext, argv: list[str]) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from distlab.gpt import fsdp2
+    from distlab.gpt.memory import memory_stats
+
+    run, history, log = train_in_group(ctx, argv)
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     native = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()  # DTensor's own
     run.backend.close()
@@ -62,11 +69,11 @@ def _train(ctx: DistContext, argv: list[str]) -> dict:
     return {
         "losses": history["losses"],
         "grad_norms": history["grad_norms"],
-        "log": out.getvalue(),
+        "log": log,
         "memory": memory_stats(run.model, run.optimizer, ctx.device),
         "tensors": len(params),
         "optimizer_on_shards": all(isinstance(p, DTensor) for p in params),
-        "norm": [float(fsdp2.grad_norm(params, run.backend.mesh)), float(native)],
+        "norm": [float(fsdp2.grad_norm(params)), float(native)],
     }
 
 
@@ -142,9 +149,16 @@ def _refusal(data: list[str], *flags: str, world_size: int = 4) -> str:
 
 def test_refusals_name_the_values(data, tmp_path) -> None:
     msg = _refusal(data, "--tensor-model-parallel-size", "2")
-    assert "--tensor-model-parallel-size 2 and --pipeline-model-parallel-size 1; set both to 1" in msg
+    assert (
+        "--tensor-model-parallel-size 2 (--tensor-parallel-impl megatron) and --pipeline-model-parallel-size 1"
+        in msg
+    )
+    assert "set pp to 1, and tp to 1 or add --tensor-parallel-impl dtensor" in msg
     msg = _refusal(data, "--pipeline-model-parallel-size", "2")
-    assert "--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 2" in msg
+    assert (
+        "--tensor-model-parallel-size 1 (--tensor-parallel-impl megatron) and --pipeline-model-parallel-size 2"
+        in msg
+    )
     assert "--use-torch-fsdp2 and --deepspeed were both given" in _refusal(data, "--deepspeed")
     assert f"--use-torch-fsdp2 with --save {tmp_path}: " in _refusal(data, "--save", str(tmp_path))
     assert "use --bf16" in _refusal(data, "--fp16")

@@ -170,6 +170,12 @@ class PretrainArgs:
     )
     # --- parallelism ---
     tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
+    tensor_parallel_impl: str = _f(
+        "megatron",
+        "who splits the layers when tp > 1: this engine's Megatron-style layers (megatron) or PyTorch's "
+        "DTensor parallelize_module plans on a DeviceMesh (dtensor; combines with --use-torch-fsdp2)",
+        choices=["megatron", "dtensor"],
+    )
     pipeline_model_parallel_size: int = _f(1, "pipeline stages")
     context_parallel_size: int = _f(
         1,
@@ -178,7 +184,8 @@ class PretrainArgs:
     sequence_parallel: bool = _f(
         False,
         "with tensor parallelism: LayerNorms, dropout and residual adds work on seq-length / tp positions "
-        "per rank; the all-reduces become all-gathers and reduce-scatters (Korthikanti et al. 2022)",
+        "per rank; the all-reduces become all-gathers and reduce-scatters (Korthikanti et al. 2022); by "
+        "this engine's layers or, with --tensor-parallel-impl dtensor, by DTensor's SequenceParallel plan",
     )
     pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
     num_layers_per_virtual_pipeline_stage: int = _f(
@@ -344,6 +351,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_profile_errors(args, world_size),
         *_deepspeed_errors(args, layout),
         *_torch_fsdp2_errors(args, layout),
+        *_dtensor_errors(args, layout),
         *_ckpt_format_errors(args, layout),
         *_recompute_errors(args, layout),
         *moe_errors(args, layout),
@@ -546,11 +554,12 @@ def _torch_fsdp2_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             given.append("--torch-fsdp2-reshard-after-forward False")
         return [f"{flag} was given without --use-torch-fsdp2" for flag in given]
     errors = []
-    if layout.tp > 1 or layout.pp > 1:
+    if layout.pp > 1 or (layout.tp > 1 and args.tensor_parallel_impl != "dtensor"):
         errors.append(
-            f"--use-torch-fsdp2 shards over the data-parallel ranks only (a 1-D DeviceMesh): got "
-            f"--tensor-model-parallel-size {layout.tp} and --pipeline-model-parallel-size {layout.pp}; "
-            f"set both to 1"
+            f"--use-torch-fsdp2 shards over the data-parallel ranks (a 1-D DeviceMesh), next to DTensor's "
+            f"tensor parallelism only: got --tensor-model-parallel-size {layout.tp} (--tensor-parallel-impl "
+            f"{args.tensor_parallel_impl}) and --pipeline-model-parallel-size {layout.pp}; set pp to 1, and tp "
+            f"to 1 or add --tensor-parallel-impl dtensor"
         )
     if args.deepspeed:
         errors.append(
@@ -573,6 +582,30 @@ def _torch_fsdp2_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     return errors
 
 
+def _dtensor_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """--tensor-parallel-impl dtensor: tp (x FSDP2 over dp) on one mesh; no pipeline, no plain dp
+    (DTensor gradients are reduced by FSDP2, not by the engine's flat all-reduce), no fp16 or
+    DeepSpeed. --sequence-parallel is its SequenceParallel plan there (the layout checks tp > 1)."""
+    errors = []
+    if args.tensor_parallel_impl != "dtensor":
+        return errors
+    if layout.pp > 1:
+        errors.append(
+            f"--tensor-parallel-impl dtensor with --pipeline-model-parallel-size {layout.pp}: the DTensor "
+            f"path has no pipeline stages (torch.distributed.pipelining is notebook 08's library): set it to 1"
+        )
+    if layout.dp > 1 and not args.use_torch_fsdp2:
+        errors.append(
+            f"--tensor-parallel-impl dtensor with data-parallel size {layout.dp} (world {layout.world_size} / "
+            f"tp {layout.tp}): DTensor runs reduce their gradients over dp through FSDP2: add "
+            f"--use-torch-fsdp2 (FSDP x TP on a 2-D mesh) or launch {layout.tp} processes"
+        )
+    if args.fp16 or args.deepspeed:
+        given = "--fp16" if args.fp16 else "--deepspeed"
+        errors.append(f"--tensor-parallel-impl dtensor with {given}: use fp32 or --bf16, without DeepSpeed")
+    return errors
+
+
 def _ckpt_format_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     """--async-save needs --ckpt-format torch_dist (as Megatron-LM); torch_dist has no tensor parallelism."""
     errors = []
@@ -584,11 +617,13 @@ def _ckpt_format_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         )
     if args.async_save and args.save is None:
         errors.append("--async-save was given without --save DIR")
-    if args.ckpt_format == "torch_dist" and layout.tp > 1 and (args.save or args.load):
+    dtensor = args.tensor_parallel_impl == "dtensor"
+    if args.ckpt_format == "torch_dist" and layout.tp > 1 and not dtensor and (args.save or args.load):
         errors.append(
             f"--ckpt-format torch_dist with --tensor-model-parallel-size {layout.tp}: this engine's "
             f"tensor-parallel shards are plain tensors of the same name on every tp rank, which "
-            f"torch.distributed.checkpoint would take for copies of one tensor: use --ckpt-format torch"
+            f"torch.distributed.checkpoint would take for copies of one tensor: use --ckpt-format torch, "
+            f"or --tensor-parallel-impl dtensor (DTensor shards: DCP knows where each lies)"
         )
     return errors
 

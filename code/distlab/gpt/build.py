@@ -2,9 +2,10 @@
 
     build_run(args, layout, ctx)   process groups of the validated layout and the banner,
                                    tokenizer and padded vocabulary, datasets, memory cap and
-                                   meter, model (FSDP2: fully_shard, before the optimizer is
-                                   built on its shards), optimizer, precision and loss scaler, LR
-                                   schedule, forward/backward, the step back end, --load
+                                   meter, model (DTensor TP: parallelize_module; FSDP2:
+                                   fully_shard; both before the optimizer is built on the
+                                   shards), optimizer, precision and loss scaler, LR schedule,
+                                   forward/backward, the step back end, --load
 
 Start-up lines follow Megatron's, printed by rank 0 (the parameter count by every
 data-parallel rank 0: one line per model shard). :meth:`Run.step` is the one function that
@@ -13,7 +14,9 @@ this engine's own (``training.LocalBackend``), with ``--deepspeed`` DeepSpeed's 
 (``deepspeed_engine.DeepSpeedBackend``: ZeRO shards the gradients and wraps the run's own
 optimizer, whose learning rate the schedule still sets) or, with ``--use-torch-fsdp2``,
 PyTorch's FSDP2 (``fsdp2.FSDP2Backend``: ``fully_shard`` turns the parameters into DTensor shards
-before the run's own optimizer is built on them).
+before the run's own optimizer is built on them). ``--tensor-parallel-impl dtensor`` builds the
+model whole and splits it with ``dtensor_parallel``'s plan on the run's one ``DeviceMesh`` (before
+FSDP2 when both are given), stepping through the same back end.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -120,14 +122,15 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     state = ParallelState.build(layout, timeout_s=60 * args.distributed_timeout_minutes)
     precision = Precision.from_args(args)
     # torch.distributed.fsdp only for runs that use it: imported, it changes DeepSpeed (checkpointer.py)
-    fsdp2 = importlib.import_module("distlab.gpt.fsdp2") if args.use_torch_fsdp2 else None
+    mesh_run = args.use_torch_fsdp2 or (args.tensor_parallel_impl == "dtensor" and layout.tp > 1)
+    fsdp2 = importlib.import_module("distlab.gpt.fsdp2") if mesh_run else None
     rank0, device = state.rank == 0, ctx.device
     threads = cap_cpu_threads(ctx.env.local_world_size) if device.type == "cpu" else f"device: {device}"
     print_on(
         rank0,
         state.banner(),
         f"> launcher: {ctx.env.launcher}, backend: {ctx.backend}, {threads}",
-        fsdp2.precision_line(precision, device) if fsdp2 else precision.describe(device),
+        fsdp2.precision_line(precision, device) if args.use_torch_fsdp2 else precision.describe(device),
         BATCH.format(
             global_batch=layout.global_batch_size,
             micro_batch=layout.micro_batch_size,
@@ -153,7 +156,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         _warm_up_kernels(args, precision)
     peak_meter = PeakMeter(device).start()
     model = _build_model(args, state, vocab, device)
-    mesh = fully_shard_model(fsdp2, args, layout, model, device) if fsdp2 else None
+    mesh = parallelize_model(args, layout, model, device)
     optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()  # on the shards with FSDP2
     timeline = None
     if args.pipeline_timeline:
@@ -185,7 +188,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
             bucket_size=args.ddp_bucket_size,
         )
         if mesh is None
-        else fsdp2.FSDP2Backend(model, optimizer, mesh, clip_grad=args.clip_grad),
+        else fsdp2.FSDP2Backend(model, optimizer, clip_grad=args.clip_grad),
         checkpointer=checkpointer.Checkpointer(args, state, device),
     )
     if args.deepspeed:
@@ -211,14 +214,29 @@ def use_deepspeed(run: Run) -> None:
     run.deepspeed_config, run.backend = config, deepspeed_engine.DeepSpeedBackend(engine)
 
 
-def fully_shard_model(
-    fsdp2: ModuleType, args: PretrainArgs, layout: Layout, model: GPTModel, device: torch.device
-) -> DeviceMesh:
-    """``--use-torch-fsdp2``: ``fully_shard`` every block and the root over the dp mesh; the mesh."""
-    config = fsdp2.FSDP2Config.from_args(args)
-    mesh = fsdp2.build_mesh(layout, device)
-    fsdp2.shard_model(model, mesh, config, device)
-    print_on(mesh.get_rank() == 0, config.describe(mesh, len(model.layers)))
+def parallelize_model(
+    args: PretrainArgs, layout: Layout, model: GPTModel, device: torch.device
+) -> DeviceMesh | None:
+    """PyTorch's parallel API on the run's one ``DeviceMesh`` (None without it): DTensor TP
+    (``--tensor-parallel-impl dtensor``) over ``mesh["tp"]``, then ``--use-torch-fsdp2``'s
+    ``fully_shard`` of every block and the root over ``mesh["dp"]``, in place."""
+    dtensor = args.tensor_parallel_impl == "dtensor" and layout.tp > 1
+    if not (dtensor or args.use_torch_fsdp2):
+        return None
+    # imported only by runs that use it: torch.distributed.tensor.parallel imports FSDP, whose
+    # import before a DeepSpeed ZeRO-2 run leaves a gloo group's threads alive (main's c1bfd2c)
+    from distlab.gpt import dtensor_parallel, fsdp2
+
+    mesh = dtensor_parallel.device_mesh(layout, device)
+    rank0 = mesh.get_rank() == 0
+    print_on(rank0, dtensor_parallel.describe_mesh(mesh))
+    if dtensor:
+        plan = dtensor_parallel.parallelize(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
+        print_on(rank0, dtensor_parallel.describe_plan(plan, mesh["tp"]))
+    if args.use_torch_fsdp2:
+        config = fsdp2.FSDP2Config.from_args(args)
+        fsdp2.shard_model(model, mesh["dp"], config, device)
+        print_on(rank0, config.describe(mesh["dp"], len(model.layers)))
     return mesh
 
 
@@ -286,9 +304,11 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
         attention_backend=args.attention_backend,
         seed=args.seed,
         moe=moe_config(args),
-        sequence_parallel=state.layout.sequence_parallel,
+        # SP by this engine's layers; with dtensor, DTensor's SequenceParallel plan does it instead
+        sequence_parallel=state.layout.sequence_parallel and args.tensor_parallel_impl == "megatron",
     )
-    model = GPTModel(cfg, state).to(device)
+    dtensor = args.tensor_parallel_impl == "dtensor"  # unsharded here, split by parallelize_model
+    model = GPTModel(cfg, None if dtensor else state).to(device)
     print_on(
         state.dp_rank == 0 and state.cp_rank == 0,
         PARAMETERS.format(

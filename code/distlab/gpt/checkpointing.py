@@ -175,12 +175,13 @@ def load_checkpoint(
     return ckpt["iteration"], ckpt["consumed_samples"], ckpt["scaler"]
 
 
-def check_args(saved: dict, args: PretrainArgs, path: str) -> None:
-    """Raise naming every argument of :data:`MUST_MATCH` on which the checkpoint and the run differ."""
+def check_args(saved: dict, args: PretrainArgs, path: str, *, may_differ: tuple[str, ...] = ()) -> None:
+    """Raise naming every argument of :data:`MUST_MATCH` (but ``may_differ``) on which the
+    checkpoint and the run differ."""
     diffs = [
         f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
         for k in MUST_MATCH
-        if saved.get(k) != getattr(args, k)
+        if k not in may_differ and saved.get(k) != getattr(args, k)
     ]
     if diffs:
         raise ValueError(f"checkpoint {path} does not fit this run: " + "; ".join(diffs))

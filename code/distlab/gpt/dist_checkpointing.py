@@ -20,8 +20,10 @@ hold alike is written by one of them. Loading: ``dcp.load`` fills the state dict
 loads, whatever their sharding: each rank asks for its chunks and DCP reads the overlapping parts
 of the saved ones (2 FSDP2 ranks -> 1 plain rank: both files' rows); ``set_state_dict``'s halves
 put them in the model and the optimizer. Pipeline stages save different names (``wte.weight`` on
-the first, ``output_weight`` on the last), so pp works too, with the same pp on load. Tensor parallelism is refused (``arguments.py``): its shards are
-plain tensors of one name on every tp rank, which DCP would take for replicas.
+the first, ``output_weight`` on the last), so pp works too, with the same pp on load. The
+hand-written tensor parallelism is refused (``arguments.py``): its shards are plain tensors of one
+name on every tp rank, which DCP would take for replicas. DTensor's (``--tensor-parallel-impl
+dtensor``) are DTensors: a checkpoint of FSDP2 over 4 ranks loads into TP 2 (x FSDP2), or 1 rank.
 
 Atomic as the torch format: everything is written into ``iter_0000006.tmp/``; once DCP's
 ``.metadata`` is there (it is written last, after every rank's data), rank 0 renames the folder
@@ -182,7 +184,9 @@ def load_checkpoint(
             )
         )
     common = torch.load(os.path.join(folder, COMMON), map_location="cpu", weights_only=False)
-    checkpointing.check_args(common["args"], args, folder)
+    # tp may change: a torch_dist checkpoint holds whole tensors or DTensor shards (never the
+    # hand-written TP's), which DCP cuts for the loading layout
+    checkpointing.check_args(common["args"], args, folder, may_differ=("tensor_model_parallel_size",))
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata  # every key saved
     with_optimizer = any(key.startswith("optimizer.") for key in saved)
     state_dict = _state_dict(model, optimizer, with_optimizer=with_optimizer)  # this run's, to be filled
@@ -191,5 +195,8 @@ def load_checkpoint(
     if with_optimizer:
         set_optimizer_state_dict(model, optimizer, state_dict["optimizer"], options=OPTIONS)
     rngs, (tp_rank, pp_rank, _) = common["rng"], _coords(state)
-    checkpointing.set_rng_state(rngs.get(_coords(state), rngs[(tp_rank, pp_rank, 0)]))  # new dp ranks: dp 0's
+    # new dp ranks: dp 0's; new tp ranks too: tp 0's
+    checkpointing.set_rng_state(
+        rngs.get(_coords(state)) or rngs.get((tp_rank, pp_rank, 0)) or rngs[(0, pp_rank, 0)]
+    )
     return common["iteration"], common["consumed_samples"], common["scaler"]

@@ -26,10 +26,13 @@ fp32 into fp32 shards, which the optimizer updates (the master weights). ``CPUOf
 shards, their gradients and the optimizer state stay on the CPU, where the optimizer steps; each
 all-gather first copies a unit's shards to the device.
 
-Megatron-LM's ``--use-torch-fsdp2`` (``TorchFullyShardedDataParallel``) shards the same way. Its
-refusals (tensor or pipeline parallelism, --fp16, --deepspeed, --save/--load in the legacy format:
-sharded states need ``--ckpt-format torch_dist``, ``dist_checkpointing.py``) are checked with the
-other arguments, in ``arguments.py``.
+Megatron-LM's ``--use-torch-fsdp2`` (``TorchFullyShardedDataParallel``) shards the same way. With
+``--tensor-parallel-impl dtensor`` the blocks' linear weights are already DTensors on
+``mesh["tp"]`` (``dtensor_parallel.py``): ``fully_shard`` over ``mesh["dp"]`` then shards them on
+the 2-D (dp, tp) mesh as well, torchtitan's FSDP x TP. Its refusals (pipeline parallelism, the
+hand-written TP, --fp16, --deepspeed, --save/--load in the legacy format: sharded states need
+``--ckpt-format torch_dist``, ``dist_checkpointing.py``) are checked with the other arguments, in
+``arguments.py``.
 """
 
 from __future__ import annotations
@@ -43,11 +46,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
 
+from distlab.gpt.dtensor_parallel import reduce_partial_gradients
 from distlab.gpt.interfaces import StepOutcome, mean_backward
-from distlab.gpt.layout import Layout
 from distlab.gpt.model import GPTModel
 from distlab.gpt.precision import Precision
 
@@ -107,16 +117,6 @@ def precision_line(precision: Precision, device: torch.device) -> str:
     )
 
 
-def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
-    """The 1-D mesh of the data-parallel ranks (with tp = pp = 1, every rank, in rank order)."""
-    if layout.tp != 1 or layout.pp != 1:  # validate_args refuses it first; this guards other callers
-        raise ValueError(
-            f"FSDP2 here shards over data-parallel ranks only: --tensor-model-parallel-size {layout.tp} "
-            f"and --pipeline-model-parallel-size {layout.pp} must both be 1"
-        )
-    return init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
-
-
 def shard_model(model: GPTModel, mesh: DeviceMesh, config: FSDP2Config, device: torch.device) -> None:
     """``fully_shard`` each block, then the root: the parameters become ``Shard(0)`` DTensors.
 
@@ -132,46 +132,70 @@ def shard_model(model: GPTModel, mesh: DeviceMesh, config: FSDP2Config, device: 
 
 
 @torch.no_grad()
-def grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> torch.Tensor:
-    """``||g|| = sqrt(sum_r sum_p ||g_p(r)||^2)``: each rank's rows of every gradient, summed over
-    the mesh. The same number as ``torch.nn.utils.get_total_norm`` of the DTensor gradients, but
-    reduced on the mesh's device even when CPUOffloadPolicy keeps the shards on the CPU."""
-    shards = [p.grad.to_local() for p in params if p.grad is not None]  # this rank's rows
-    local = torch.nn.utils.get_total_norm(shards).float() ** 2 if shards else torch.zeros(())
-    total = local.to(mesh.device_type)
-    dist.all_reduce(total, group=mesh.get_group())
+def grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    """``||g|| = sqrt(sum_p ||g_p||^2)`` from each rank's local pieces: a DTensor gradient's squared
+    norm is summed over the mesh dimensions it is sharded on (FSDP's dp, a TP weight's tp), counted
+    once along those it is replicated on; a plain tensor is the same on every rank. The number
+    ``torch.nn.utils.get_total_norm`` gives for one mesh, for any mix of meshes (FSDP2 x TP puts
+    the blocks' linear weights on the 2-D mesh, the rest on dp), reduced on the mesh's device even
+    when CPUOffloadPolicy keeps the shards on the CPU. Gradients must not be ``Partial``
+    (``dtensor_parallel.reduce_partial_gradients``)."""
+    plain: list[torch.Tensor] = []
+    pieces: dict[tuple, list[torch.Tensor]] = {}  # (mesh, sharded mesh dims) -> local shards
+    for p in params:
+        if p.grad is None:
+            continue
+        if not isinstance(p.grad, DTensor):
+            plain.append(p.grad)
+            continue
+        mesh = p.grad.device_mesh
+        # sharded: Shard, and FSDP2 x TP's _StridedShard (whose is_shard() is False)
+        dims = tuple(
+            i for i, pl in enumerate(p.grad.placements) if not (pl.is_replicate() or pl.is_partial())
+        )
+        pieces.setdefault((mesh, dims), []).append(p.grad.to_local())
+    total = torch.nn.utils.get_total_norm(plain).float() ** 2 if plain else torch.zeros(())
+    for (mesh, dims), shards in pieces.items():  # the same keys, in the same order, on every rank
+        part = (torch.nn.utils.get_total_norm(shards).float() ** 2).to(mesh.device_type)
+        for dim in dims:
+            dist.all_reduce(part, group=mesh.get_group(dim))
+        total = total.to(part.device) + part
     return total.sqrt()
 
 
 class FSDP2Backend:
-    """FSDP2's step (``interfaces.StepBackend``): plain backward, reduce-scatter by FSDP's hooks,
-    the global norm over the shards, clipping, the run's optimizer on the shards.
+    """The step of a model whose parameters are DTensors (``interfaces.StepBackend``): FSDP2,
+    DTensor TP (``dtensor_parallel.py``) or both. Plain backward (FSDP's hooks reduce-scatter,
+    DTensor's autograd runs TP's collectives), Partial gradients made whole, the global norm
+    over the shards, clipping, the run's optimizer on the shards.
 
-    Micro-batches ``0 .. m - 2`` run with ``set_requires_gradient_sync(False)``: their full
-    gradients accumulate unsharded (in fp32 under the bf16 policy), and the last one
-    reduce-scatters the sum, once per block and step.
+    Under FSDP, micro-batches ``0 .. m - 2`` run with ``set_requires_gradient_sync(False)``: their
+    full gradients accumulate unsharded (in fp32 under the bf16 policy), and the last one
+    reduce-scatters the sum, once per block and step. DTensor TP alone has dp = 1 (``arguments.py``).
     """
 
-    def __init__(
-        self, model: GPTModel, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, *, clip_grad: float
-    ) -> None:
-        self.module, self.optimizer, self.mesh, self.clip_grad = model, optimizer, mesh, clip_grad
+    def __init__(self, model: GPTModel, optimizer: torch.optim.Optimizer, *, clip_grad: float) -> None:
+        self.module, self.optimizer, self.clip_grad = model, optimizer, clip_grad
+        self.fsdp = isinstance(model, FSDPModule)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def backward(self, loss: torch.Tensor, k: int, m: int) -> None:
-        self.module.set_requires_gradient_sync(k == m - 1)
+        if self.fsdp:
+            self.module.set_requires_gradient_sync(k == m - 1)
         mean_backward(loss, k, m)  # loss_k / m
 
     def step(self) -> StepOutcome:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = grad_norm(params, self.mesh)
+        reduce_partial_gradients(params)  # SP's norms: all-reduce over tp
+        norm = grad_norm(params)
         value = float(norm)
         if not math.isfinite(value):  # no clipping, no update (as the local back end without fp16)
             return StepOutcome(value, skipped=True, nonfinite=True)
         if self.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm)  # g x min(1, clip / ||g||)
+            # g x min(1, clip / ||g||), one tensor at a time: DTensor TP leaves the embeddings plain
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm, foreach=False)
         self.optimizer.step()
         return StepOutcome(value, skipped=False)
 

@@ -141,10 +141,9 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout
 class SelfAttention(nn.Module):
     """Causal multi-head attention; this rank computes ``n / tp`` whole heads."""
 
-    def __init__(self, cfg: GPTConfig, group, tp: int, ring: Ring | None = None) -> None:
+    def __init__(self, cfg: GPTConfig, group, ring: Ring | None = None) -> None:
         super().__init__()
         self.ring = ring  # cp > 1: ring attention over the context-parallel group
-        self.heads = cfg.num_attention_heads // tp  # this rank's heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.dropout = cfg.attention_dropout
         self.explicit = cfg.attention_backend in EXPLICIT_BACKENDS
@@ -159,12 +158,13 @@ class SelfAttention(nn.Module):
         # x: (b, T, H) replicated over the tp ranks, or (b, T/tp, H) with sequence parallelism
         qkv = self.qkv(x)  # f (or all-gather along T), then (b, T, 3H/tp)
         b, T, _ = qkv.shape
-        q, k, v = qkv.view(b, T, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        # n/tp heads: as many as the output holds (DTensor's ColwiseParallel shards an unsharded layer)
+        q, k, v = qkv.view(b, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
             y = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
         else:
             y = self.core_attention(q, k, v)
-        y = y.transpose(1, 2).reshape(b, T, self.heads * self.head_dim)  # (b, T, H/tp)
+        y = y.transpose(1, 2).flatten(2)  # (b, T, H/tp)
         return self.proj(y)  # partial (b, T, H) per rank, then g (all-reduce) or g-bar (reduce-scatter)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -203,7 +203,7 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attn = SelfAttention(cfg, group, tp, ring)
+        self.attn = SelfAttention(cfg, group, ring)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         if cfg.moe is None:
             self.mlp = MLP(cfg, group)

@@ -10,6 +10,11 @@ sequence, h hidden, m micro-batches per step, L layers per stage):
                 embedding's forward and the logits' f in backward: 2 m
     (b, s)      the vocab-parallel cross-entropy (max, sum of exponentials, target logit)
     ()          the gradient norm and the loss
+
+:func:`collectives_per_step` counts every kind of collective by its operator: the process
+group's own (``c10d::``; FSDP2 over a 1-D mesh: one ``_allgather_base_`` per unit of
+``fully_shard`` and pass, one ``_reduce_scatter_base_`` per unit and step; over a 2-D mesh their
+``_coalesced_`` forms) and DTensor's functional collectives (``_c10d_functional::``).
 """
 
 from __future__ import annotations
@@ -38,12 +43,41 @@ def _shape(event: dict) -> tuple[int, ...]:
     return tuple(first)
 
 
-def all_reduces_per_step(trace: dict) -> list[dict]:
-    """Rows ``{shape, numel, per_step}`` (mean over the traced steps), the most frequent first."""
-    events = trace["traceEvents"]
+#: Operator -> (kind, family).
+COLLECTIVES = {
+    ALLREDUCE: ("all_reduce", "c10d"),
+    "c10d::_allgather_base_": ("all_gather", "c10d"),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", "c10d"),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", "c10d coalesced"),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", "c10d coalesced"),
+    "_c10d_functional::all_reduce": ("all_reduce", "functional"),
+    "_c10d_functional::all_gather_into_tensor": ("all_gather", "functional"),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", "functional"),
+}
+
+
+def _step_spans(events: list[dict]) -> list[dict]:
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
     if not steps:
         raise ValueError("no ProfilerStep spans in this trace: it was not written by a scheduled profiler")
+    return steps
+
+
+def collectives_per_step(trace: dict) -> dict[tuple[str, str], float]:
+    """``{(kind, caller): count per step}`` of :data:`COLLECTIVES`, mean over the traced steps."""
+    events = trace["traceEvents"]
+    steps = _step_spans(events)
+    counts: Counter = Counter()
+    for e in events:
+        if e.get("name") in COLLECTIVES and any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps):
+            counts[COLLECTIVES[e["name"]]] += 1
+    return {key: n / len(steps) for key, n in sorted(counts.items())}
+
+
+def all_reduces_per_step(trace: dict) -> list[dict]:
+    """Rows ``{shape, numel, per_step}`` (mean over the traced steps), the most frequent first."""
+    events = trace["traceEvents"]
+    steps = _step_spans(events)
     counts: Counter = Counter()
     for e in events:
         if e.get("name") != ALLREDUCE:

@@ -1,0 +1,77 @@
+"""``torch.distributed.pipelining`` on the course's GPT (``torch_pipelining.py``): every schedule
+on 2 gloo ranks gives the losses of one process.
+
+A 4-block GPT trains 2 AdamW steps on batches of 8 (4 micro-batches of 2) with GPipe, 1F1B
+(2 stages), interleaved 1F1B and interleaved zero-bubble (4 stages, 2 per rank). Found equal to
+the bit on this CPU; asserted within 1e-6 (relative).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distlab.distributed import DistContext
+from distlab.gpt import torch_pipelining
+from distlab.gpt.model import GPTConfig, GPTModel
+from tests.conftest import run_gloo
+
+pytestmark = pytest.mark.timeout(240)
+CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=128, max_position_embeddings=16)
+B, T, M, STEPS, LR = 8, 16, 4, 2, 1e-2  # batch, sequence, micro-batches, steps, learning rate
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, CFG["vocab_size"], (B, T + 1), generator=g) for _ in range(STEPS)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]  # (B, T) tokens and labels
+
+
+def _one_process() -> list[float]:
+    model = GPTModel(GPTConfig(**CFG))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for tokens, labels in _batches():
+        loss = model(tokens, labels).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _worker(ctx: DistContext, out: str) -> None:
+    results = {}
+    for name in torch_pipelining.SCHEDULES:
+        stages = torch_pipelining.build_stages(GPTConfig(**CFG), name, ctx.device)
+        schedule = torch_pipelining.build_schedule(stages, name, M)
+        results[name] = torch_pipelining.train_steps(stages, schedule, _batches(), LR)
+    try:
+        torch_pipelining.build_stages(GPTConfig(**{**CFG, "num_layers": 6}), "interleaved_1f1b", ctx.device)
+    except ValueError as exc:
+        results["error"] = str(exc)
+    Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("pipelining")
+    run_gloo(_worker, 2, str(out), timeout_s=200)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(torch_pipelining.SCHEDULES))
+def test_every_schedule_gives_the_losses_of_one_process(results, name: str) -> None:
+    first, last = results
+    assert first[name] == []  # only the last stage's rank sees the losses
+    assert len(last[name]) == STEPS
+    torch.testing.assert_close(torch.tensor(last[name]), torch.tensor(_one_process()), rtol=1e-6, atol=0)
+
+
+def test_layers_that_do_not_divide_the_stages_are_refused(results) -> None:
+    msg = results[0]["error"]
+    assert "--num-layers 6 is not divisible by the 4 stages of interleaved_1f1b on 2 ranks" in msg
+    assert "choose a multiple of 4" in msg
