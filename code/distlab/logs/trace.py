@@ -10,6 +10,10 @@ sequence, h hidden, m micro-batches per step, L layers per stage):
                 embedding's forward and the logits' f in backward: 2 m
     (b, s)      the vocab-parallel cross-entropy (max, sum of exponentials, target logit)
     ()          the gradient norm and the loss
+
+Expert parallelism's ``all_to_all_single`` calls appear as ``c10d::alltoall_base_``
+(:func:`ops_per_step` with :data:`ALLTOALL`): per MoE layer and micro-batch, forward sends the
+counts (E,), dispatches and combines the tokens (uneven, (rows, h)); backward repeats the last two.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 ALLREDUCE = "c10d::allreduce_"
+ALLTOALL = "c10d::alltoall_base_"
 
 
 def load_trace(path_or_dir: str | Path) -> dict:
@@ -39,14 +44,20 @@ def _shape(event: dict) -> tuple[int, ...]:
 
 
 def all_reduces_per_step(trace: dict) -> list[dict]:
-    """Rows ``{shape, numel, per_step}`` (mean over the traced steps), the most frequent first."""
+    """Rows ``{shape, numel, per_step}`` of the all-reduces (mean over the traced steps)."""
+    return ops_per_step(trace, ALLREDUCE)
+
+
+def ops_per_step(trace: dict, op: str) -> list[dict]:
+    """Rows ``{shape, numel, per_step}`` of operator ``op`` (mean over the traced steps), the
+    most frequent shape first."""
     events = trace["traceEvents"]
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
     if not steps:
         raise ValueError("no ProfilerStep spans in this trace: it was not written by a scheduled profiler")
     counts: Counter = Counter()
     for e in events:
-        if e.get("name") != ALLREDUCE:
+        if e.get("name") != op:
             continue
         if any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps):
             counts[_shape(e)] += 1
