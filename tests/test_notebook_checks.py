@@ -20,6 +20,8 @@ from torch.utils.data import DistributedSampler
 from distlab import REPO_ROOT, topology
 from distlab.checks import FIXME, ExerciseError, check, script_untouched
 from distlab.comm import collectives
+from distlab.logs import experts
+from distlab.logs.formats import ITERATION, MOE, PARAMETERS
 
 WORLD = 4  # the local cluster's two-node jobs: 2 nodes x 2 processes
 CHUNKS = [len(c) for c in torch.tensor_split(torch.arange(1001), WORLD)]
@@ -179,3 +181,48 @@ def test_all_gather_exercise_check(untouched_scripts):
         run_cell(source, {"results": [*lines[:-1], lines[-1].replace("ok", "WRONG")]}, {"WORLD": WORLD})
     waiting = ["[rank 0/4 node] my_all_gather: not implemented yet (TODO)"]
     assert "[not yet]" in run_cell(source, {"results": waiting}, {"WORLD": WORLD})
+
+
+def budget_log(num_experts: int, parameters: int, last: int, total: int = 5) -> str:
+    """A MoE run's log as the driver prints it: the parameter line, then per iteration its line and
+    one ``[moe]`` line per layer (2 layers, the 16 x 4 x 64 x 2 pairs shared out evenly)."""
+    lines = [PARAMETERS.format(tp_rank=0, pp_rank=0, parameters=parameters)]
+    for it in range(1, last + 1):
+        lines.append(
+            ITERATION.format(
+                it=it,
+                total=total,
+                samples=16 * it,
+                ms=150.0,
+                lr=1e-3,
+                gbs=16,
+                loss=8.0,
+                scale=1.0,
+                skipped=0,
+                nan=0,
+            )
+        )
+        counts = " ".join([str(2048 // num_experts)] * num_experts)
+        lines += [MOE.format(it=it, layer=layer, aux=1.2, dropped=0, counts=counts) for layer in (0, 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_expert_budget_exercise_check():
+    cells = json.loads((REPO_ROOT / "notebooks" / "09_expert_parallelism_section.ipynb").read_text())["cells"]
+    source = next("".join(c["source"]) for c in cells if "check_expert_budget(" in "".join(c["source"]))
+
+    def run(text: str | None) -> str:
+        job = None if text is None else type("Job", (), {"log": lambda self: text})()
+        return run_cell(source, {"budget_job": job}, {"experts": experts})
+
+    assert "[ok]" in run(budget_log(16, 566_912, last=5))  # ep = 4: 4 experts per rank
+    for wrong in (
+        budget_log(16, 831_616, last=5),  # ep = 2: over the budget
+        budget_log(8, 565_888, last=5),  # 8 experts fit, but 16 were asked for
+        budget_log(16, 566_912, last=3),  # the run stopped before its last iteration
+        "pretrain_gpt.py: error: expert-model-parallel size 3 does not divide data-parallel size 4\n",
+    ):
+        with pytest.raises(ExerciseError):
+            run(wrong)
+    untouched = run(None)
+    assert "[not yet]" in untouched and "[ok]" not in untouched

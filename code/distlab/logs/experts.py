@@ -8,6 +8,7 @@ with c_i the tokens of expert i at a step::
 
 which is what the load-balancing loss (``--moe-aux-loss-coeff``) pushes towards 1, and what
 sets a step's time under expert parallelism: every rank waits for the busiest expert.
+:func:`check_expert_budget` is the check of notebook 09's exercise (experts and a parameter budget).
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from collections.abc import Mapping
 import matplotlib.pyplot as plt
 import numpy as np
 
+from distlab.checks import FIXME, check
 from distlab.logs.formats import tokens_per_expert
+from distlab.logs.megatron import layout_and_completion, parameter_counts
+
+BUDGET_HINT = (
+    "parameters per rank = the dense part (embeddings, attention, norms, routers) + (E / ep) x one "
+    "expert's; ep divides the data-parallel size; read the '> MoE:' and 'number of parameters' lines"
+)
 
 
 def expert_load(text: str, layer: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -59,3 +67,29 @@ def plot_tokens_per_expert(logs: Mapping[str, str], layer: int = 0):
     last.legend(fontsize=7)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
+
+
+def experts_and_parameters(text: str) -> tuple[int, int, bool]:
+    """(experts per layer in the last ``[moe]`` line, most parameters on a model-parallel rank,
+    True when the last iteration line was printed) of one run's log; 0 where a line is missing."""
+    rows = tokens_per_expert(text)
+    return (
+        len(rows[-1]["counts"]) if rows else 0,
+        max(parameter_counts(text).values(), default=0),
+        layout_and_completion(text)[1],
+    )
+
+
+def check_expert_budget(
+    text: str | None, *, num_experts: int, max_parameters: int, name: str = "the exercise run"
+) -> bool:
+    """``check`` that the run of log ``text`` (None: not submitted, untouched) trained to the end
+    with ``num_experts`` experts per layer and at most ``max_parameters`` parameters per rank."""
+    answer = FIXME if text is None else experts_and_parameters(text)
+    return check(
+        f"{name}: (experts per layer, parameters per rank, trained to the end)",
+        answer,
+        ok=lambda a: a[0] == num_experts and 0 < a[1] <= max_parameters and a[2],
+        hint=f"{num_experts} experts per layer, at most {max_parameters:,} parameters per rank; "
+        + BUDGET_HINT,
+    )

@@ -15,6 +15,9 @@ sequence, h hidden, m micro-batches per step, L layers per stage):
 group's own (``c10d::``; FSDP2 over a 1-D mesh: one ``_allgather_base_`` per unit of
 ``fully_shard`` and pass, one ``_reduce_scatter_base_`` per unit and step; over a 2-D mesh their
 ``_coalesced_`` forms) and DTensor's functional collectives (``_c10d_functional::``).
+Expert parallelism's ``all_to_all_single`` calls appear as ``c10d::alltoall_base_``
+(:func:`ops_per_step` with :data:`ALLTOALL`): per MoE layer and micro-batch, forward sends the
+counts (E,), dispatches and combines the tokens (uneven, (rows, h)); backward repeats the last two.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 ALLREDUCE = "c10d::allreduce_"
+ALLTOALL = "c10d::alltoall_base_"
 
 
 def load_trace(path_or_dir: str | Path) -> dict:
@@ -75,12 +79,18 @@ def collectives_per_step(trace: dict) -> dict[tuple[str, str], float]:
 
 
 def all_reduces_per_step(trace: dict) -> list[dict]:
-    """Rows ``{shape, numel, per_step}`` (mean over the traced steps), the most frequent first."""
+    """Rows ``{shape, numel, per_step}`` of the all-reduces (mean over the traced steps)."""
+    return ops_per_step(trace, ALLREDUCE)
+
+
+def ops_per_step(trace: dict, op: str) -> list[dict]:
+    """Rows ``{shape, numel, per_step}`` of operator ``op`` (mean over the traced steps), the
+    most frequent shape first."""
     events = trace["traceEvents"]
     steps = _step_spans(events)
     counts: Counter = Counter()
     for e in events:
-        if e.get("name") != ALLREDUCE:
+        if e.get("name") != op:
             continue
         if any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps):
             counts[_shape(e)] += 1
