@@ -179,7 +179,6 @@ def test_refusals_name_the_values(data, runs) -> None:
 
     assert "data-parallel size 2 (world 4 / tp 2): DTensor runs reduce" in refusal(*DTENSOR)
     assert "add --use-torch-fsdp2 (FSDP x TP on a 2-D mesh) or launch 2 processes" in refusal(*DTENSOR)
-    assert "--sequence-parallel with --tensor-parallel-impl megatron" in refusal(*TP2, "--sequence-parallel")
     msg = refusal(*DTENSOR, "--pipeline-model-parallel-size", "2", "--use-torch-fsdp2", world_size=8)
     assert "--tensor-parallel-impl dtensor with --pipeline-model-parallel-size 2" in msg
 

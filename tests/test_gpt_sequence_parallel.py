@@ -147,7 +147,7 @@ def _block_run(
     state: ParallelState, sp: bool, x: torch.Tensor
 ) -> tuple[torch.Tensor, Block, Counter, Counter, float]:
     cfg = GPTConfig(2, H, HEADS, 128, T, sequence_parallel=sp)
-    block = Block(cfg, state.tp_group, state.tp)
+    block = Block(cfg, state.tp_group)
     init_parameters(block, cfg, state)
     if sp:
         x = x.chunk(state.tp, dim=1)[state.tp_rank]  # (B, T/tp, H): this rank's positions

@@ -208,7 +208,9 @@ def budget_log(num_experts: int, parameters: int, last: int, total: int = 5) -> 
 
 
 def test_expert_budget_exercise_check():
-    cells = json.loads((REPO_ROOT / "notebooks" / "09_expert_parallelism_section.ipynb").read_text())["cells"]
+    cells = json.loads((REPO_ROOT / "notebooks" / "09_context_and_expert_parallelism.ipynb").read_text())[
+        "cells"
+    ]
     source = next("".join(c["source"]) for c in cells if "check_expert_budget(" in "".join(c["source"]))
 
     def run(text: str | None) -> str:

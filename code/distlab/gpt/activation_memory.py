@@ -85,7 +85,7 @@ def measure_block(
     estimated and Korthikanti's bytes."""
     sp, tp = state.layout.sequence_parallel, state.tp
     cfg = GPTConfig(1, h, a, 128, s, attention_backend=attention_backend, sequence_parallel=sp)
-    block = Block(cfg, state.tp_group if tp > 1 else None, tp)
+    block = Block(cfg, state.tp_group if tp > 1 else None)
     init_parameters(block, cfg, state)
     block.to(device)
     x = torch.randn(

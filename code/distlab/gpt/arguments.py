@@ -654,6 +654,8 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         for name, given, why in (
             ("--deepspeed", args.deepspeed, "ZeRO shards over the data-parallel ranks only; drop one"),
             ("--use-torch-fsdp2", args.use_torch_fsdp2, "its mesh is the data-parallel ranks only; drop one"),
+            ("--tensor-parallel-impl dtensor", args.tensor_parallel_impl == "dtensor",
+             "its DeviceMesh has no cp dimension here; use --tensor-parallel-impl megatron"),
             (f"--attention-dropout {args.attention_dropout}", args.attention_dropout > 0,
              "ring attention has no dropout; set it to 0"),
             ("--ckpt-format torch_dist", args.ckpt_format == "torch_dist" and bool(args.save or args.load),

@@ -59,6 +59,10 @@ from distlab.gpt.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 IMPLEMENTATIONS = ("megatron", "dtensor")
 
 
+#: The mesh's dimensions, slowest first: :data:`ORDER`'s, without cp (this path refuses cp > 1).
+MESH_DIMS = tuple(d for d in reversed(ORDER) if d != "cp")
+
+
 def device_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     """The run's mesh, ``layout``'s sizes with :data:`ORDER`'s slowest dimension first.
 
@@ -66,13 +70,12 @@ def device_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     dp groups [0,2] [1,3], as ``layout.groups``."""
     world = dist.get_world_size()
     if layout.world_size != world:
-        sizes = " x ".join(f"{d} {layout.size(d)}" for d in reversed(ORDER))
+        sizes = " x ".join(f"{d} {layout.size(d)}" for d in MESH_DIMS)
         raise ValueError(
             f"a DeviceMesh of {sizes} = {layout.world_size} ranks does not match the world size {world}: "
             f"launch {layout.world_size} processes or change the parallel sizes"
         )
-    names = tuple(reversed(ORDER))  # ("pp", "dp", "tp")
-    return init_device_mesh(device.type, tuple(layout.size(d) for d in names), mesh_dim_names=names)
+    return init_device_mesh(device.type, tuple(layout.size(d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
 
 
 def block_plan(prefix: str, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:

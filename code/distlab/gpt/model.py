@@ -199,7 +199,7 @@ class Block(nn.Module):
     4 all-gathers (2 of them gather the GEMM inputs again for the weight gradients)."""
 
     def __init__(
-        self, cfg: GPTConfig, group, tp: int, state: ParallelState | None = None, ring: Ring | None = None
+        self, cfg: GPTConfig, group, state: ParallelState | None = None, ring: Ring | None = None
     ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
@@ -261,7 +261,7 @@ class GPTModel(nn.Module):
         firsts = [(c * pp + pp_rank) * self.per_chunk for c in range(vp)]  # virtual stage c pp + pp_rank
         self.layers = nn.ModuleDict(
             {
-                str(i): Block(cfg, self.tp_group, tp, state, self.ring)
+                str(i): Block(cfg, self.tp_group, state, self.ring)
                 for f in firsts
                 for i in range(f, f + self.per_chunk)
             }
