@@ -10,7 +10,9 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -41,7 +43,8 @@ def _page_socket(port: int, timeout: float) -> str:
 def log_in_and_open(base: str, user: str, password: str, screenshot: Path, timeout: float = 120) -> str:
     """Log in at ``base``/hub/login, wait for notebook 00 in JupyterLab; the page's final URL."""
     port = free_port()
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes may still write the profile as it ends: a leftover there is no failure
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         chrome = subprocess.Popen(
             [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", f"--remote-debugging-port={port}"]
             + [
@@ -52,6 +55,7 @@ def log_in_and_open(base: str, user: str, password: str, screenshot: Path, timeo
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its renderer and helper processes in one group, ended together
         )
         try:
             ws = websocket.create_connection(_page_socket(port, 30), timeout=30)
@@ -92,5 +96,5 @@ def log_in_and_open(base: str, user: str, password: str, screenshot: Path, timeo
             screenshot.write_bytes(base64.b64decode(call("Page.captureScreenshot", format="png")["data"]))
             return js("location.href")
         finally:
-            chrome.terminate()
+            os.killpg(chrome.pid, signal.SIGTERM)
             chrome.wait(10)
