@@ -1,6 +1,5 @@
 """Shared fixtures: the local cluster (skipped with a reason where Slurm is not running), and
-gloo ranks spawned on this machine (:func:`run_gloo`, :func:`gloo_group`); how ``./lab test``
-shares the test files out between its two workers (:func:`pytest_collection_modifyitems`)."""
+gloo ranks spawned on this machine (:func:`run_gloo`, :func:`gloo_group`)."""
 
 from __future__ import annotations
 
@@ -16,17 +15,6 @@ import torch.multiprocessing as mp
 
 from distlab import REPO_ROOT
 from distlab.distributed import DistContext, free_port, init_distributed, shutdown, torchrun_env
-
-#: Files that add and remove real Linux accounts (useradd locks /etc/passwd): on one worker, in turn.
-ACCOUNT_FILES = {"test_cluster.py", "test_cluster_users.py", "test_cluster_isolation.py", "test_workshop.py"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``pytest -n 2 --dist loadgroup`` (``./lab test``): each file on one worker, so that its
-    module fixtures run once, and the account-making files together on one worker."""
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("accounts" if name in ACCOUNT_FILES else name))
 
 
 def cluster_available() -> bool:
