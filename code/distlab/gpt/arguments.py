@@ -21,7 +21,7 @@ from distlab.distributed import pick_backend
 from distlab.gpt import deepspeed_config
 from distlab.gpt.fault_handling import SIGNALS
 from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
-from distlab.gpt.moe import moe_errors
+from distlab.gpt.moe import config_errors, placement_errors
 from distlab.gpt.pipeline_parallel import check_schedule
 from distlab.gpt.recompute import granularity_of, recompute_errors
 
@@ -354,7 +354,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_dtensor_errors(args, layout),
         *_ckpt_format_errors(args, layout),
         *_recompute_errors(args, layout),
-        *moe_errors(args, layout),
+        *_moe_errors(args, layout),
         *_context_parallel_errors(args, layout),
         *_interleaving_errors(args, layout),
         *_grad_reduce_errors(args, layout),
@@ -729,3 +729,52 @@ def deepspeed_run_config(args: PretrainArgs, layout: Layout) -> dict:
         zero_stage=args.zero_stage,
         clip_grad=args.clip_grad or None,
     )
+
+
+def _moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """The MoE flags against each other and the layout (ep dividing dp is the layout's own check).
+    Refused, as not built here: MoE with tp or pp > 1, with full recomputation, DeepSpeed or
+    FSDP2, and checkpoints of experts split over ep ranks."""
+    if args.num_experts is None:
+        if args.moe_expert_capacity_factor is not None:
+            return [
+                f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor} was given without --num-experts"
+            ]
+        return []
+    errors = config_errors(args.num_experts, args.moe_router_topk, args.moe_expert_capacity_factor)
+    errors += placement_errors(args.num_experts, layout.ep)
+    if layout.ep > 1 and args.moe_token_dispatcher_type != "alltoall":
+        errors.append(
+            f"--expert-model-parallel-size {layout.ep} with --moe-token-dispatcher-type "
+            f"{args.moe_token_dispatcher_type}: this engine moves tokens between expert ranks with "
+            f"all-to-all only; add --moe-token-dispatcher-type alltoall"
+        )
+    if layout.tp > 1 or layout.pp > 1:
+        errors.append(
+            f"--num-experts with --tensor-model-parallel-size {layout.tp} and --pipeline-model-parallel-size "
+            f"{layout.pp}: this engine's MoE runs with tp = pp = 1 only (experts split over data-parallel "
+            f"ranks; the aux loss joins the loss on the one stage); set both to 1"
+        )
+    if layout.cp > 1:
+        errors.append(
+            f"--num-experts with --context-parallel-size {layout.cp}: this engine's router counts the "
+            f"tokens per expert of one sequence shard only (Megatron sums them over the cp group); "
+            f"set --context-parallel-size 1"
+        )
+    if args.recompute_granularity == "full":
+        errors.append(
+            "--num-experts with --recompute-granularity full: the router's aux loss would be computed "
+            "inside the checkpointed blocks; use --recompute-activations (selective) or none"
+        )
+    if args.deepspeed or args.use_torch_fsdp2:
+        errors.append(
+            "--num-experts with --deepspeed / --use-torch-fsdp2: those back ends average every gradient "
+            "over all data-parallel ranks; MoE runs on this engine's own back end: drop them"
+        )
+    if layout.ep > 1 and (args.save or args.load):
+        errors.append(
+            f"--save/--load with --expert-model-parallel-size {layout.ep}: each ep rank holds different "
+            f"experts and the checkpoint formats here write one copy per model-parallel rank; drop "
+            f"--save/--load or use --expert-model-parallel-size 1"
+        )
+    return errors
