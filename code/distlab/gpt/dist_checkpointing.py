@@ -100,13 +100,18 @@ def _prepare(
     consumed_samples: int,
 ) -> tuple[str, dict]:
     """Write ``common.pt`` into a fresh ``iter_<iteration>.tmp`` (rank 0); return the folder and
-    this rank's state dict for DCP (collective: every rank's RNG goes to rank 0)."""
+    this rank's state dict for DCP (collective: every rank's RNG reaches rank 0).
+
+    Rank 0 clears the folder before the all-gather, and no rank leaves the all-gather before rank 0
+    has joined it: DCP's local plan creates the folder on every rank, so a rank already in
+    ``dcp.save`` must not meet rank 0's ``rmtree``/``makedirs`` (FileExistsError, or its files gone)."""
     tmp = checkpointing.checkpoint_dir(args.save, iteration) + ".tmp"
-    rngs = [None] * dist.get_world_size() if state.rank == 0 else None
-    dist.gather_object((_coords(state), checkpointing.rng_state()), rngs, dst=0)
-    if state.rank == 0:  # the other ranks write into tmp only after DCP's plan, which needs rank 0
+    if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
         os.makedirs(tmp)
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, (_coords(state), checkpointing.rng_state()))
+    if state.rank == 0:
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "scaler": scaler_state,
                   "rng": dict(rngs), "args": dataclasses.asdict(args)}  # fmt: skip
         torch.save(common, os.path.join(tmp, COMMON))
