@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from distlab.cluster import ClusterPaths, accounting, daemons, process, users
+from distlab.cluster import ClusterPaths, accounting, config, daemons, process, users
 from distlab.distributed import free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -157,6 +157,26 @@ def finished_job(cluster, learners):
     return job, script, folder / "jobs" / f"whoami-{job}.out"
 
 
+def test_a_private_cluster_never_takes_the_default_ports(tmp_path, monkeypatch):
+    monkeypatch.delenv("LAB_CLUSTER_PORT", raising=False)
+    monkeypatch.setenv("LAB_CLUSTER_DIR", str(tmp_path / "cluster"))
+    paths = config.local_paths()
+    assert not set(paths.ports()) & set(ClusterPaths(tmp_path).ports()), paths  # the default's
+    assert paths == config.local_paths()  # the same in every process
+    monkeypatch.setenv("LAB_CLUSTER_DIR", str(tmp_path / "other"))
+    assert config.local_paths().port_base != paths.port_base
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / config.PORT_FILE).write_text("23005\n")  # what its cluster was started on
+    assert config.local_paths().port_base == 23005
+    monkeypatch.setenv("LAB_CLUSTER_PORT", "24000")
+    assert config.local_paths().port_base == 24000
+
+
+def test_the_cluster_records_its_ports(cluster):
+    assert (cluster.root / config.PORT_FILE).read_text() == f"{cluster.port_base}\n"
+    assert config.local_paths() == cluster  # LAB_CLUSTER_DIR alone names it, ports and all
+
+
 def test_learners_job_runs_on_both_nodes_as_the_learner(cluster, learners, finished_job):
     job, script, log = finished_job
     folder = script.parent.parent
@@ -272,6 +292,14 @@ def test_workspace_is_the_learners_own_and_kept(cluster, checkout, learners):
     users.ensure("labtest1", cluster, checkout)  # again: keeps the edit, brings back the missing notebook
     assert copy.read_text() == "edited\n"
     assert (ws / "notebooks" / "01_system_topology.ipynb").exists()
+    # ./lab test's workspace beside it: the checkout's notebooks anew each time, the edit left alone
+    test_ws = users.prepare_workspace(one, checkout, folder=users.TEST_WORKSPACE)
+    fresh = test_ws / "solutions" / copy.name
+    assert one.run(["sh", "-c", f"echo edited > {fresh}"]).returncode == 0
+    assert users.prepare_workspace(one, checkout, folder=users.TEST_WORKSPACE) == test_ws
+    assert fresh.read_bytes() == (checkout / "solutions" / copy.name).read_bytes()
+    assert (test_ws / ".venv").resolve() == checkout / ".venv" and copy.read_text() == "edited\n"
+    assert (test_ws.stat().st_uid, oct(test_ws.stat().st_mode & 0o777)) == (one.uid, "0o700")
     assocs = slurm(
         cluster, None, "sacctmgr", "-n", "-P", "show", "assoc", "where", "user=labtest1", "format=account"
     )

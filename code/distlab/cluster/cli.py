@@ -1,4 +1,5 @@
-"""Command line of the local cluster: start, stop, restart, status, reset, add-user NAME."""
+"""Command line of the local cluster: start, stop, restart, status, reset, add-user NAME,
+test-workspace NAME (add-user, then prints the folder where ``./lab test`` runs NAME's notebooks)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,24 @@ def add_user(name: str) -> str:
     return f"{learner.name} (uid {learner.uid}): workspace {learner.workspace}, {acct}"
 
 
+def test_workspace(name: str) -> str:
+    """As :func:`add_user`, then ``name``'s test workspace with the checkout's notebooks (users.py)."""
+    p = daemons.local_paths()
+    learner = users.ensure(name, p if accounting.running(p) else None)
+    return str(users.prepare_workspace(learner, folder=users.TEST_WORKSPACE))
+
+
+ACTIONS = ("start", "stop", "restart", "status", "reset")
+USER_ACTIONS = ("add-user", "test-workspace")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lab cluster", description=__doc__)
-    parser.add_argument("action", choices=["start", "stop", "restart", "status", "reset", "add-user"])
-    parser.add_argument("name", nargs="?", help="add-user: the account (made if missing) to prepare")
+    parser.add_argument("action", choices=[*ACTIONS, *USER_ACTIONS])
+    parser.add_argument("name", nargs="?", help="add-user, test-workspace: the account (made if missing)")
     args = parser.parse_args(argv)
-    if (args.action == "add-user") != (args.name is not None):
-        parser.error("add-user takes one user name, the other actions none")
+    if (args.action in USER_ACTIONS) != (args.name is not None):
+        parser.error("add-user and test-workspace take one user name, the other actions none")
     try:
         if args.action in ("stop", "restart"):
             print(daemons.stop())
@@ -38,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             print(daemons.reset())
         if args.action == "add-user":
             print(add_user(args.name))
+        if args.action == "test-workspace":
+            print(test_workspace(args.name))
     except daemons.ClusterError as e:
         print(f"lab cluster {args.action}: {e}", file=sys.stderr)
         return 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,10 +109,26 @@ class ClusterPaths:
         )
 
 
+DEFAULT_PORT_BASE = ClusterPaths.port_base
+PORT_FILE = "port_base"  # in the cluster folder: the ports its configuration was written with
+
+
 def local_paths() -> ClusterPaths:
-    """The cluster of this checkout (``LAB_CLUSTER_DIR`` and ``LAB_CLUSTER_PORT`` override)."""
-    root = Path(os.environ.get("LAB_CLUSTER_DIR", REPO_ROOT / ".lab" / "cluster")).resolve()
-    return ClusterPaths(root=root, port_base=int(os.environ.get("LAB_CLUSTER_PORT", "16817")))
+    """The cluster of this checkout (``LAB_CLUSTER_DIR`` and ``LAB_CLUSTER_PORT`` override).
+
+    The port base: ``LAB_CLUSTER_PORT``, else the one the folder's cluster was started with (its
+    file ``port_base``), else the default for this checkout's own folder and, for any other folder
+    (a private cluster), one derived from its path in 20000..29995: never the default cluster's."""
+    default = (REPO_ROOT / ".lab" / "cluster").resolve()
+    root = Path(os.environ.get("LAB_CLUSTER_DIR", default)).resolve()
+    if os.environ.get("LAB_CLUSTER_PORT"):
+        return ClusterPaths(root=root, port_base=int(os.environ["LAB_CLUSTER_PORT"]))
+    try:
+        return ClusterPaths(root=root, port_base=int((root / PORT_FILE).read_text()))
+    except (OSError, ValueError):
+        pass
+    base = DEFAULT_PORT_BASE if root == default else 20000 + zlib.crc32(str(root).encode()) % 2000 * 5
+    return ClusterPaths(root=root, port_base=base)
 
 
 def slurm_conf(p: ClusterPaths, cgroups: bool) -> str:

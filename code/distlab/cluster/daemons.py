@@ -23,7 +23,15 @@ from pathlib import Path
 
 from distlab import REPO_ROOT
 from distlab.cluster import accounting, cgroups, system_conf
-from distlab.cluster.config import NODES, ClusterPaths, cgroup_conf, gres_conf, local_paths, slurm_conf
+from distlab.cluster.config import (
+    NODES,
+    PORT_FILE,
+    ClusterPaths,
+    cgroup_conf,
+    gres_conf,
+    local_paths,
+    slurm_conf,
+)
 from distlab.cluster.process import ClusterError, alive, env, port_busy, run, terminate, wait_for
 
 REQUIRED = {
@@ -90,6 +98,8 @@ def _prepare_files(p: ClusterPaths) -> None:
     ):
         path.write_text(text)
         path.chmod(0o644)  # every user's sbatch reads them, whatever root's umask
+    (p.root / PORT_FILE).write_text(f"{p.port_base}\n")  # what local_paths() reads back
+    (p.root / PORT_FILE).chmod(0o644)
     if p == local_paths() and "LAB_CLUSTER_DIR" not in os.environ:
         system_conf.link(p)
 

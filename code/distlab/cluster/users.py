@@ -35,6 +35,9 @@ from distlab.cluster.process import ClusterError
 #: The checkout that holds this package (not ``REPO_ROOT``, which may name a workspace).
 CHECKOUT = Path(__file__).resolve().parents[3]
 WORKSPACE = "distlab-course"
+#: Where ``./lab test`` runs the notebooks as the learner: laid out as the workspace, but with the
+#: checkout's notebooks copied anew each time, so that a learner's own edits are never overwritten.
+TEST_WORKSPACE = "distlab-course-test"
 COPIED = ("notebooks", "solutions")  # *.ipynb: each learner's own copy
 OWN = ("data", "runs")  # empty at first, the learner's
 LINKED = ("code", "sites", "images", "README.md", ".venv")  # shared, read-only
@@ -112,23 +115,28 @@ def ensure(name: str, p: ClusterPaths | None = None, checkout: Path = CHECKOUT) 
     return learner
 
 
-#: Run as the learner: sh -c SCRIPT sh WORKSPACE CHECKOUT.
+#: Run as the learner: sh -c SCRIPT sh WORKSPACE CHECKOUT REFRESH (1: copies replace the notebooks).
 WORKSPACE_SCRIPT = f"""set -eu
-ws=$1 checkout=$2
+ws=$1 checkout=$2 refresh=$3
 mkdir -p "$ws" && chmod 700 "$ws"
 for d in {" ".join(COPIED)}; do
     mkdir -p "$ws/$d"
-    for f in "$checkout/$d"/*.ipynb; do [ -e "$ws/$d/${{f##*/}}" ] || cp "$f" "$ws/$d/"; done
+    for f in "$checkout/$d"/*.ipynb; do
+        [ "$refresh" = 1 ] || [ ! -e "$ws/$d/${{f##*/}}" ] || continue
+        cp "$f" "$ws/$d/"
+    done
 done
 for d in {" ".join(OWN)}; do mkdir -p "$ws/$d"; done
 for f in {" ".join(LINKED)}; do ln -sfnT "$checkout/$f" "$ws/$f"; done
 """
 
 
-def prepare_workspace(learner: Learner, checkout: Path = CHECKOUT) -> Path:
-    """Make or complete ``learner``'s workspace, as the learner (see the module's docstring)."""
-    ws = learner.workspace
-    out = learner.run(["sh", "-c", WORKSPACE_SCRIPT, "sh", str(ws), str(checkout)])
+def prepare_workspace(learner: Learner, checkout: Path = CHECKOUT, folder: str = WORKSPACE) -> Path:
+    """Make or complete ``learner``'s workspace ``~/folder``, as the learner (see the module's
+    docstring). The test workspace (:data:`TEST_WORKSPACE`) gets the checkout's notebooks anew."""
+    ws = learner.home / folder
+    refresh = "1" if folder == TEST_WORKSPACE else "0"
+    out = learner.run(["sh", "-c", WORKSPACE_SCRIPT, "sh", str(ws), str(checkout), refresh])
     if out.returncode != 0:
         closed = closed_folder(checkout)
         why = f": {closed} is closed to other users" if closed else ""
