@@ -45,6 +45,99 @@ def test_a_class_that_does_not_fit_is_refused_with_the_numbers():
     assert "2 learners: 10.8 GiB of RAM and 1 of 2 cores each" in workshop.Plan(2).check(23.5, 2)
 
 
+CLASS_FILE = """
+[class]
+learners = ["ada", "grace", "alan"]
+instructor = "teach"
+port = 8100
+
+[limits]
+cpus = 32
+jobs = 2
+queued_jobs = 8
+wall = "00:30:00"
+"""
+
+
+def test_a_class_file_gives_the_plan_and_its_limits(tmp_path):
+    path = tmp_path / "class.toml"
+    path.write_text(CLASS_FILE)
+    plan = workshop.plan_from_file(path)
+    assert plan.names == ["ada", "grace", "alan"] and (plan.learners, plan.instructor, plan.port) == (
+        3,
+        "teach",
+        8100,
+    )
+    assert plan.limits.qos() == (
+        "MaxTRESPerUser=cpu=32",
+        "MaxJobsPerUser=2",
+        "MaxSubmitJobsPerUser=8",
+        "MaxWall=00:30:00",
+    )
+    told = plan.check(23.5, 2)
+    assert "3 learners: 7.2 GiB of RAM" in told and "MaxWall=00:30:00 each" in told, told
+
+    path.write_text('[class]\nlearners = 2\nprefix = "ws"\n')
+    plan = workshop.plan_from_file(path)
+    assert plan.names == ["ws01", "ws02"] and plan.limits == workshop.Limits() and plan.port == 8000
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (
+            "[class]\nlearners = 2\nteacher = 'x'\n",
+            r"unknown key 'teacher' in \[class\]: the keys are learners, prefix",
+        ),
+        ("[klass]\nlearners = 2\n", r"unknown section 'klass'"),
+        ("[class]\nlearners = '2'\n", r"\[class\] learners = '2': should be a number of learners or a list"),
+        ("[class]\nlearners = true\n", r"learners = True: should be"),
+        ("[class]\nport = 8000\n", r"\[class\] learners is missing"),
+        ("[class]\nlearners = []\n", r"should be a non-empty list of user names"),
+        ("[class]\nlearners = ['a', 'b']\nprefix = 'c'\n", r"with a list of names, leave it out"),
+        (
+            "[class]\nlearners = 2\n[limits]\ncpus = 4.5\n",
+            r"\[limits\] cpus = 4.5: should be a number of CPUs",
+        ),
+        ("[class\nlearners = 2\n", r"is not valid TOML"),
+    ],
+)
+def test_a_wrong_class_file_is_refused_naming_the_key(tmp_path, text, words):
+    path = tmp_path / "class.toml"
+    path.write_text(text)
+    with pytest.raises(ClusterError, match=rf"{re.escape(str(path))}.*{words}"):
+        workshop.plan_from_file(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("learners = ['ada', 'Bob']", r"'Bob' is not a valid user name"),
+        ("learners = ['ada', 'ada', 'al']", r"learner name\(s\) \['ada'\] given twice"),
+        ("learners = 2\nport = 65534", r"port 65534: the hub needs port, port \+ 1 and port \+ 2"),
+        ("learners = 2\n[limits]\ncpus = 129", r"cpus = 129: a learner's CPUs must be 1 .. 128"),
+        ("learners = 2\n[limits]\njobs = 20", r"jobs = 20, queued_jobs = 16: need 1 <= jobs <= queued_jobs"),
+        ("learners = 2\n[limits]\nwall = '1h'", r"wall = '1h': a job's time limit is HH:MM:SS"),
+    ],
+)
+def test_a_class_file_that_cannot_work_is_refused_before_anything_is_made(tmp_path, text, words):
+    path = tmp_path / "class.toml"
+    path.write_text(f"[class]\n{text}\n")
+    plan = workshop.plan_from_file(path)
+    with pytest.raises(ClusterError, match=words):
+        plan.check(23.5, 2)
+
+
+def test_a_class_file_and_flags_together_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        workshop.main(["--config", str(tmp_path / "class.toml"), "--learners", "3", "--port", "8001"])
+    assert exited.value.code == 2
+    assert "class.toml describes the class: leave out --learners --port" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        workshop.main([])
+    assert "start needs --learners N or --config FILE" in capsys.readouterr().err
+
+
 def test_a_port_in_use_is_refused():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

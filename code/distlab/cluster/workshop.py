@@ -10,7 +10,7 @@
 3. turns on Slurm's limits (the file ``workshop`` in the cluster folder; config.slurm_conf reads
    it): ``AccountingStorageEnforce=associations,limits,qos``, fair share
    (``priority/multifactor``), ``PrivateData=jobs``; the QOS ``workshop`` of every learner caps a
-   user at QOS_LIMITS (half the cluster's CPUs: one learner's runaway jobs leave the other half);
+   user at the plan's Limits (by default half the cluster's CPUs: a runaway job leaves the rest);
    the instructor is a Slurm operator (sees every job, cancels any) in the account ``instructors``
    and in the Linux group ``lab-instructors``, which reads the progress folder (distlab.progress);
 4. starts JupyterHub (hub.py) on 127.0.0.1, each learner's JupyterLab as that learner.
@@ -25,14 +25,15 @@ import argparse
 import grp
 import os
 import pwd
+import re
 import secrets
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from distlab import progress
-from distlab.cluster import accounting, daemons, hub, users
+from distlab.cluster import accounting, classfile, daemons, hub, users
 from distlab.cluster.config import CPUS_PER_NODE, NODES, ClusterPaths, local_paths
 from distlab.cluster.process import ClusterError, run
 
@@ -40,26 +41,59 @@ RESERVED_GIB = 2.0  # the daemons, MariaDB, the hub and its proxy
 MIN_GIB_PER_LEARNER = 2.0
 INSTRUCTORS_ACCOUNT = "instructors"
 QOS = "workshop"
-#: per learner: half the cluster's CPUs (the largest notebook job: 2 nodes x 32), a few jobs at once
-QOS_LIMITS = (
-    f"MaxTRESPerUser=cpu={CPUS_PER_NODE * len(NODES) // 2}",
-    "MaxJobsPerUser=4",
-    "MaxSubmitJobsPerUser=16",
-    "MaxWall=01:00:00",
-)
+CLUSTER_CPUS = CPUS_PER_NODE * len(NODES)
+WALL = re.compile(r"(\d+-)?\d{1,2}:\d{2}:\d{2}")  # Slurm's [D-]HH:MM:SS
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per learner, the QOS ``workshop``: CPUs at once (by default half the cluster: the largest
+    notebook job, 2 nodes x 32), running jobs, submitted jobs, and a job's time limit."""
+
+    cpus: int = CLUSTER_CPUS // 2
+    jobs: int = 4
+    queued_jobs: int = 16
+    wall: str = "01:00:00"
+
+    def qos(self) -> tuple[str, ...]:
+        """``sacctmgr modify qos`` settings."""
+        return (
+            f"MaxTRESPerUser=cpu={self.cpus}",
+            f"MaxJobsPerUser={self.jobs}",
+            f"MaxSubmitJobsPerUser={self.queued_jobs}",
+            f"MaxWall={self.wall}",
+        )
+
+    def check(self) -> None:
+        if not 1 <= self.cpus <= CLUSTER_CPUS:
+            raise ClusterError(
+                f"cpus = {self.cpus}: a learner's CPUs must be 1 .. {CLUSTER_CPUS} (the cluster's)"
+            )
+        if not 1 <= self.jobs <= self.queued_jobs:
+            raise ClusterError(
+                f"jobs = {self.jobs}, queued_jobs = {self.queued_jobs}: need 1 <= jobs <= queued_jobs "
+                f"(running jobs are among the submitted ones)"
+            )
+        if not WALL.fullmatch(self.wall):
+            raise ClusterError(f"wall = {self.wall!r}: a job's time limit is HH:MM:SS or D-HH:MM:SS")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The class: ``learners`` accounts named ``<prefix>01``.. and one ``instructor``."""
+    """The class: ``learners`` accounts named ``<prefix>01``.. (or the names in ``accounts``), one
+    ``instructor``, the hub's ``port`` and each learner's Slurm ``limits``."""
 
     learners: int
     prefix: str = "learner"
     instructor: str = "instructor"
     port: int = 8000
+    accounts: tuple[str, ...] = ()
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def names(self) -> list[str]:
+        if self.accounts:
+            return list(self.accounts)
         return [f"{self.prefix}{i:02d}" for i in range(1, self.learners + 1)]
 
     def check(self, memory_gib: float, cores: int) -> str:
@@ -71,8 +105,16 @@ class Plan:
                 raise ClusterError(
                     f"{name!r} is not a valid user name (lower case letters, digits, _ and -, at most 32)"
                 )
+        if len(set(self.names)) != len(self.names):
+            twice = sorted({n for n in self.names if self.names.count(n) > 1})
+            raise ClusterError(f"learner name(s) {twice} given twice: each learner needs their own account")
         if self.instructor in self.names:
             raise ClusterError(f"the instructor {self.instructor!r} is also a learner's name: choose another")
+        if not 1024 <= self.port <= 65533:
+            raise ClusterError(
+                f"port {self.port}: the hub needs port, port + 1 and port + 2 in 1024 .. 65535"
+            )
+        self.limits.check()
         share = (memory_gib - RESERVED_GIB) / self.learners
         if share < MIN_GIB_PER_LEARNER:
             most = int((memory_gib - RESERVED_GIB) // MIN_GIB_PER_LEARNER)
@@ -84,8 +126,14 @@ class Plan:
             )
         return (
             f"{self.learners} learners: {share:.1f} GiB of RAM and {cores / self.learners:.2g} "
-            f"of {cores} cores each (shared in time); in Slurm: {', '.join(QOS_LIMITS)} each"
+            f"of {cores} cores each (shared in time); in Slurm: {', '.join(self.limits.qos())} each"
         )
+
+
+def plan_from_file(path: Path) -> Plan:
+    """The class described in ``path`` (distlab.cluster.classfile)."""
+    plan, limits = classfile.load(path)
+    return Plan(**plan, limits=Limits(**limits))
 
 
 def machine() -> tuple[float, int]:
@@ -136,11 +184,11 @@ def enable_limits(p: ClusterPaths) -> bool:
     return True
 
 
-def apply_limits(p: ClusterPaths) -> None:
+def apply_limits(p: ClusterPaths, limits: Limits) -> None:
     """The QOS ``workshop`` on the account ``learners``; the instructors' account without it."""
     if not run(["sacctmgr", "-n", "-P", "show", "qos", QOS, "format=name"], p).split():
         run(["sacctmgr", "-i", "add", "qos", QOS], p)
-    run(["sacctmgr", "-i", "modify", "qos", QOS, "set", *QOS_LIMITS], p)
+    run(["sacctmgr", "-i", "modify", "qos", QOS, "set", *limits.qos()], p)
     account = [
         "where",
         f"account={accounting.LEARNERS_ACCOUNT}",
@@ -184,7 +232,7 @@ def ensure_accounts(p: ClusterPaths, plan: Plan, checkout: Path = users.CHECKOUT
     """Every account of ``plan`` ready; {name: its new password, or None where it had one}."""
     refuse_others_accounts(plan)
     learners = [users.ensure(name, p, checkout) for name in plan.names]
-    apply_limits(p)
+    apply_limits(p, plan.limits)
     people = [*learners, ensure_instructor(p, plan.instructor, checkout)]
     return {who.name: None if has_password(who.name) else set_password(who.name) for who in people}
 
@@ -226,11 +274,21 @@ def stop(p: ClusterPaths | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lab workshop", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", nargs="?", default="start", choices=["start", "stop"])
-    parser.add_argument("--learners", type=int, default=None, help="number of learner accounts")
-    parser.add_argument("--prefix", default="learner", help="learners are PREFIX01, PREFIX02, ...")
-    parser.add_argument("--instructor", default="instructor", help="the instructor's account")
-    parser.add_argument("--port", type=int, default=8000, help="JupyterHub's port on 127.0.0.1")
+    parser.add_argument(
+        "--config", type=Path, help="the class in a TOML file (see distlab.cluster.classfile)"
+    )
+    parser.add_argument("--learners", type=int, help="number of learner accounts")
+    parser.add_argument("--prefix", help="learners are PREFIX01, PREFIX02, ... (default learner)")
+    parser.add_argument("--instructor", help="the instructor's account (default instructor)")
+    parser.add_argument("--port", type=int, help="JupyterHub's port on 127.0.0.1 (default 8000)")
     args = parser.parse_args(argv)
+    flags = {
+        k: v for k in ("learners", "prefix", "instructor", "port") if (v := getattr(args, k)) is not None
+    }
+    if args.action == "start" and args.config is not None and flags:
+        parser.error(f"--config {args.config} describes the class: leave out --{' --'.join(flags)}")
+    if args.action == "start" and args.config is None and "learners" not in flags:
+        parser.error("start needs --learners N or --config FILE")
     if os.geteuid() != 0:
         print("lab workshop: run as root (`sudo ./lab workshop ...`): it makes accounts", file=sys.stderr)
         return 1
@@ -238,9 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "stop":
             print(stop())
         else:
-            if args.learners is None:
-                parser.error("start needs --learners N")
-            print(start(Plan(args.learners, args.prefix, args.instructor, args.port)))
+            print(start(plan_from_file(args.config) if args.config else Plan(**flags)))
     except ClusterError as e:
         print(f"lab workshop {args.action}: {e}", file=sys.stderr)
         return 1
