@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from nbclient import NotebookClient
 
@@ -193,8 +194,8 @@ class HubUser:
         self.http = requests.Session()
         self.http.headers["Authorization"] = f"token {self.token}"
 
-    def api(self, method: str, path: str, **kw):
-        return self.http.request(method, f"{self.base}{path}", timeout=60, **kw)
+    def api(self, method: str, path: str, timeout: float = 60, **kw):
+        return self.http.request(method, f"{self.base}{path}", timeout=timeout, **kw)
 
     def spawn(self, timeout: float = 150) -> dict:
         started = self.api("POST", f"/hub/api/users/{self.name}/server")
@@ -299,6 +300,32 @@ def test_a_learner_logs_in_with_a_browser_and_opens_notebook_00(class_on_hub):
     url = browser.log_in_and_open(f"http://127.0.0.1:{plan.port}", "hubtest02", passwords["hubtest02"], shot)
     assert url.startswith(f"http://127.0.0.1:{plan.port}/user/hubtest02/lab"), url
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_a_learner_opens_tensorboard_in_their_jupyterlab(class_on_hub):
+    plan, _, passwords = class_on_hub
+    base = f"http://127.0.0.1:{plan.port}"
+    one, two = (HubUser(base, name, passwords[name]) for name in plan.names)
+    one.spawn()
+    page = one.api("GET", "/user/hubtest01/tensorboard/", timeout=90)
+    assert page.status_code == 200 and "<title>TensorBoard</title>" in page.text, (
+        page.status_code,
+        page.text[:500],
+    )
+    runs = one.api("GET", "/user/hubtest01/tensorboard/data/runs")
+    assert runs.status_code == 200 and runs.json() == [], runs.text[:500]  # the learner's own runs/: empty
+    boards = [
+        p
+        for p in psutil.process_iter(["cmdline", "uids"])
+        if "tensorboard.main" in " ".join(p.info["cmdline"] or [])
+    ]
+    mine = [p for p in boards if str(users.lookup("hubtest01").workspace / "runs") in p.info["cmdline"]]
+    assert mine and all(p.info["uids"].real == users.lookup("hubtest01").uid for p in mine), boards
+    assert two.api("GET", "/user/hubtest01/tensorboard/", allow_redirects=False).status_code in (
+        302,
+        403,
+        404,
+    )
 
 
 def test_learners_log_in_and_work_as_themselves(class_on_hub):

@@ -10,7 +10,11 @@ by ``./lab workshop``. The hub runs as root on 127.0.0.1:
   gid, groups), with umask 077, in ``~/distlab-course`` (their own notebooks), on 127.0.0.1;
 * the kernel that opens the notebooks is the course's Python (``.venv``): the kernelspec
   ``python3`` in ``.lab/hub/share/jupyter`` (first on ``JUPYTER_PATH``) runs it, with the cluster's
-  ``SLURM_CONF`` and the progress folder in the environment, so jobs go to the shared cluster.
+  ``SLURM_CONF`` and the progress folder in the environment, so jobs go to the shared cluster;
+* TensorBoard at ``/user/<name>/tensorboard/``, on the learner's ``runs/``: the hub's environment has
+  jupyter-server-proxy, and ``.lab/hub/etc/jupyter/jupyter_server_config.py`` (on
+  ``JUPYTER_CONFIG_PATH``) registers the course's entry (distlab.profiling.tensorboard_proxy), run
+  by the course's Python, which has TensorBoard; started as the learner, on 127.0.0.1.
 
 State (sqlite database, cookie secret, log, pid) lives in ``.lab/hub/run``, root's alone (0700).
 """
@@ -94,6 +98,29 @@ def kernelspec() -> Path:
     return folder
 
 
+SERVER_CONFIG = """# Written by distlab.cluster.hub: TensorBoard in each learner's JupyterLab under the hub.
+import sys
+
+sys.path.insert(0, {code!r})  # distlab (not installed in the hub's environment): this process only
+from distlab.profiling.tensorboard_proxy import setup_tensorboard  # noqa: E402
+
+tensorboard = setup_tensorboard()  # on $LAB_ROOT/runs: the learner's workspace
+tensorboard["command"][0] = {python!r}  # the course's Python has TensorBoard; the hub's has not
+get_config().ServerProxy.servers = {{"tensorboard": tensorboard}}  # noqa: F821
+"""
+
+
+def server_config() -> Path:
+    """The folder of the singleuser servers' ``jupyter_server_config.py`` (TensorBoard's entry)."""
+    folder = HUB / "etc" / "jupyter"
+    folder.mkdir(parents=True, exist_ok=True)
+    conf = folder / "jupyter_server_config.py"
+    conf.write_text(SERVER_CONFIG.format(code=str(CHECKOUT / "code"), python=str(COURSE_PYTHON)))
+    for path in (conf, folder, folder.parent):
+        path.chmod(0o644 if path.is_file() else 0o755)
+    return folder
+
+
 def config(s: Settings) -> str:
     """jupyterhub_config.py for ``s`` (JupyterHub's configuration is Python by design)."""
     env = {
@@ -103,6 +130,7 @@ def config(s: Settings) -> str:
         "LAB_SITE": "local",
         "LAB_PROGRESS_DIR": str(s.progress),
         "JUPYTER_PATH": str(kernelspec()),
+        "JUPYTER_CONFIG_PATH": str(server_config()),
         "PATH": f"{COURSE_PYTHON.parent}:/usr/local/bin:/usr/bin:/bin",
         **s.passthrough,
     }
