@@ -219,6 +219,22 @@ def test_learner_cannot_cancel_hold_or_change_anothers_job(cluster, learners):
     assert "sleep 300" in slurm(cluster, one, "scontrol", "write", "batch_script", job, "-").stdout
 
 
+def test_learner_lists_the_pids_of_and_requeues_their_own_job(cluster, learners):
+    """What notebook 10 does as the learner: its job's processes from inside the allocation, a requeue."""
+    one = learners["labtest1"]
+    job = sleeper(cluster, one)
+    pids = slurm(cluster, one, "srun", f"--jobid={job}", "--overlap", "-N1", "scontrol", "listpids", job)
+    assert pids.returncode == 0 and re.search(rf"^\d+ +{job} ", pids.stdout, re.MULTILINE), (
+        pids.stdout,
+        pids.stderr,
+    )
+    requeue = slurm(cluster, one, "scontrol", "requeue", job)
+    assert requeue.returncode == 0, requeue.stderr
+    shown = slurm(cluster, None, "scontrol", "show", "job", job).stdout
+    assert "Restarts=1" in shown, shown
+    assert slurm(cluster, one, "scancel", job).returncode == 0
+
+
 def test_scancel_u_user_cancels_only_ones_own_jobs(cluster, learners):
     one, two = learners["labtest1"], learners["labtest2"]
     theirs, mine = sleeper(cluster, one), sleeper(cluster, two)
