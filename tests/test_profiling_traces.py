@@ -126,12 +126,12 @@ def test_exercise_check_reads_both_traces(dp2_trace, memory_trace, capsys):
     assert table["communication"][0] > 0 and table["communication"][1] == 0  # the MLP does not communicate
     assert check_changed_part(baseline, memory_trace, "communication", "down") is True  # it vanished
     assert "variant" in capsys.readouterr().out  # the shares, printed once the answer is right
-    with pytest.raises(ExerciseError, match=r"the communication share moved -\d+\.\d points"):
+    with pytest.raises(ExerciseError, match="the communication share did not move up by more than 25 points"):
         check_changed_part(baseline, memory_trace, "communication", "up")
     assert "variant" not in capsys.readouterr().out  # a wrong answer does not print the other shares
-    with pytest.raises(ExerciseError, match=r"moved \+0\.0 points"):  # nothing vanished, nothing moved
+    with pytest.raises(ExerciseError, match="did not move down"):  # nothing vanished, nothing moved
         check_changed_part(baseline, memory_trace, "data loading", "down")
-    with pytest.raises(ExerciseError, match=r"moved \+0\.0 points"):  # the same trace twice: nothing moved
+    with pytest.raises(ExerciseError, match="did not move up"):  # the same trace twice: nothing moved
         check_changed_part(baseline, baseline, "computation", "up")
     with pytest.raises(ValueError, match="part must be one of"):
         check_changed_part(baseline, memory_trace, "kernels", "up")

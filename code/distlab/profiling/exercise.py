@@ -49,9 +49,9 @@ def check_changed_part(baseline: str | Path, variant: str | Path | None, part: s
     moved = 100 * (y - x) if direction == "up" else 100 * (x - y)
     vanished = direction == "down" and x > 0 and y == 0
     hint = (
-        f"the {part} share moved {100 * (y - x):+.1f} points: two identical runs differ by up to "
-        f"{NOISE_POINTS:.0f} here. Which part of the step does your variant remove, or add work to? "
-        "Compare the bars, or the DIFF view"
+        f"the {part} share did not move {direction} by more than {NOISE_POINTS:.0f} points (two "
+        "identical runs differ by up to that here), nor vanish. Which part of the step does your "
+        "variant remove, or add work to? Compare the bars, or the DIFF view"
     )
     ok = check(
         "the part of the step that changed",
