@@ -7,7 +7,18 @@ import torch
 import torch.distributed as dist
 
 from distlab.distributed import DistContext
-from distlab.logs.trace import ALLTOALL, all_reduces_per_step, load_trace, ops_per_step
+from distlab.gpt.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from distlab.logs.trace import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    REDUCE_SCATTER,
+    all_reduces_per_step,
+    bytes_sent_per_rank,
+    collectives_per_step,
+    load_trace,
+    ops_per_step,
+)
 from tests.conftest import run_gloo
 
 
@@ -40,3 +51,36 @@ def test_counts_all_reduces_by_shape_per_traced_step(tmp_path):
 def test_no_trace_names_the_option(tmp_path):
     with pytest.raises(FileNotFoundError, match="--profile-execution True"):
         load_trace(tmp_path)
+
+
+def _sequence_parallel_steps(ctx: DistContext, out: str) -> None:
+    """A sequence-parallel column -> row pair (b 2, T 8 split over 2 ranks, H 16), forward and
+    backward, three profiled steps; rank 0's last two are traced into ``out``."""
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(16, 32, group=dist.group.WORLD, sequence_parallel=True)
+    row = RowParallelLinear(32, 16, group=dist.group.WORLD, sequence_parallel=True)
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+        schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(out, f"rank{ctx.rank}"),
+    )  # fmt: skip
+    with prof:
+        for _ in range(3):
+            x = torch.randn(2, 4, 16, requires_grad=True)  # (b, T/p, H): this rank's shard
+            row(col(x)).sum().backward()
+            prof.step()
+
+
+def test_counts_sequence_parallel_gathers_and_scatters(tmp_path):
+    run_gloo(_sequence_parallel_steps, 2, str(tmp_path))
+    trace = load_trace(tmp_path / next(p.name for p in tmp_path.glob("rank0*")))
+    shard = {"shape": (2, 4, 16), "numel": 128}
+    # forward: g gathers before the column GEMM, g-bar reduce-scatters after the row GEMM;
+    # backward: g-bar's all-gather, the column GEMM's re-gather for dW and its dX reduce-scatter
+    assert ops_per_step(trace, ALLGATHER) == [shard | {"per_step": 3.0}]
+    assert ops_per_step(trace, REDUCE_SCATTER) == [shard | {"per_step": 2.0}]
+    assert all_reduces_per_step(trace) == []
+    assert collectives_per_step(trace) == {("all_gather", "c10d"): 3.0, ("reduce_scatter", "c10d"): 2.0}
+    # one all-reduce of the (b, T, H) sum = one reduce-scatter + one all-gather of its shards
+    full = bytes_sent_per_rank(ALLREDUCE, 2 * 8 * 16, 2)
+    assert full == bytes_sent_per_rank(ALLGATHER, 128, 2) + bytes_sent_per_rank(REDUCE_SCATTER, 128, 2)

@@ -18,6 +18,15 @@ group's own (``c10d::``; FSDP2 over a 1-D mesh: one ``_allgather_base_`` per uni
 Expert parallelism's ``all_to_all_single`` calls appear as ``c10d::alltoall_base_``
 (:func:`ops_per_step` with :data:`ALLTOALL`): per MoE layer and micro-batch, forward sends the
 counts (E,), dispatches and combines the tokens (uneven, (rows, h)); backward repeats the last two.
+
+Sequence parallelism (``--sequence-parallel``) replaces the block's (b, s, h) all-reduces by
+list-form all-gathers and reduce-scatters of (b, s/t, h) shards (:data:`ALLGATHER`,
+:data:`REDUCE_SCATTER`): per layer and micro-batch 2 of each forward (``g`` before each
+column-parallel GEMM, ``g-bar`` after each row-parallel one), and in backward 2 reduce-scatters
+(dX of the column-parallel GEMMs) and 4 all-gathers (``g-bar``'s backward, and the shard gathered
+again for each column-parallel weight gradient). An all-gather or a reduce-scatter sends
+(t - 1)/t of the full tensor per rank, an all-reduce twice that: 8 halves in place of 4 all-reduces,
+plus the 2 re-gathers that save keeping the gathered input alive (:func:`bytes_sent_per_rank`).
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from pathlib import Path
 
 ALLREDUCE = "c10d::allreduce_"
 ALLTOALL = "c10d::alltoall_base_"
+ALLGATHER = "c10d::allgather_"  # dist.all_gather(list, tensor): the recorded shape is one shard's
+REDUCE_SCATTER = "c10d::reduce_scatter_"  # dist.reduce_scatter(tensor, list): the output shard's
 
 
 def load_trace(path_or_dir: str | Path) -> dict:
@@ -42,7 +53,9 @@ def load_trace(path_or_dir: str | Path) -> dict:
 
 
 def _shape(event: dict) -> tuple[int, ...]:
-    dims = event.get("args", {}).get("Input Dims") or [[[]]]
+    """The shape of the first recorded tensor argument (the first of a tensor list): an
+    all-gather's output list is not recorded, its input shard is."""
+    dims = [d for d in event.get("args", {}).get("Input Dims") or [] if d] or [[]]
     first = dims[0][0] if dims[0] and isinstance(dims[0][0], list) else dims[0]
     return tuple(first)
 
@@ -50,6 +63,8 @@ def _shape(event: dict) -> tuple[int, ...]:
 #: Operator -> (kind, family).
 COLLECTIVES = {
     ALLREDUCE: ("all_reduce", "c10d"),
+    ALLGATHER: ("all_gather", "c10d"),
+    REDUCE_SCATTER: ("reduce_scatter", "c10d"),
     "c10d::_allgather_base_": ("all_gather", "c10d"),
     "c10d::_reduce_scatter_base_": ("reduce_scatter", "c10d"),
     "c10d::allgather_into_tensor_coalesced_": ("all_gather", "c10d coalesced"),
@@ -101,3 +116,15 @@ def ops_per_step(trace: dict, op: str) -> list[dict]:
             numel *= d
         rows.append({"shape": shape, "numel": numel, "per_step": n / len(steps)})
     return rows
+
+
+def bytes_sent_per_rank(op: str, numel: int, ranks: int, element_bytes: int = 4) -> float:
+    """Bytes one rank sends in a ring ``op`` over ``ranks``: 2 (t - 1)/t x the tensor for an
+    all-reduce (``numel`` its elements), (t - 1) x the shard for an all-gather or a
+    reduce-scatter (``numel`` the shard's, as :func:`ops_per_step` records it)."""
+    t = ranks
+    if op == ALLREDUCE:
+        return 2 * (t - 1) / t * numel * element_bytes
+    if op in (ALLGATHER, REDUCE_SCATTER):
+        return (t - 1) * numel * element_bytes
+    raise ValueError(f"bytes_sent_per_rank knows {ALLREDUCE}, {ALLGATHER}, {REDUCE_SCATTER}; got {op!r}")

@@ -1,8 +1,11 @@
 """Notebook 06's exercise: which part of the step did a variant change, read from two traces.
 
-share_g = (time in group g) / (step time), per rank-0 trace. A named part is right when its share
-moved in the named direction by at least ``MIN_POINTS`` percentage points: when computation grows,
-communication's share falls, and either answer is a true reading of the two traces.
+share_g = (time in group g) / (step time), per rank-0 trace. A named part is right when its
+share moved in the named direction by more than :data:`NOISE_POINTS` percentage points, or when
+it vanished (``"down"`` to exactly zero, e.g. the communication of a run on one rank): a part
+that is gone is gone whatever the load. On the local cluster's 2 shared cores two identical
+DP=4 runs put 26% and 49% of the step in communication, so a smaller move is not a reading.
+When computation grows, communication's share falls, and either answer is a true reading.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 from distlab.checks import check, untouched
 from distlab.profiling.traces import GROUPS, load_run
 
-MIN_POINTS = 5.0
+NOISE_POINTS = 25.0
 
 
 def shares(run_dir: str | Path, worker: str = "rank0") -> dict[str, float]:
@@ -32,7 +35,8 @@ def share_table(baseline: str | Path, variant: str | Path) -> dict[str, tuple[fl
 
 
 def check_changed_part(baseline: str | Path, variant: str | Path | None, part: str, direction: str) -> bool:
-    """The exercise's check: right when ``part``'s share moved ``direction`` by >= MIN_POINTS points."""
+    """The exercise's check: right when ``part``'s share moved ``direction`` by more than
+    NOISE_POINTS points, or fell to zero from a share it had. The shares are printed once right."""
     if variant is None or untouched(part, direction):
         print("[not yet] run your variant and name the part of the step that changed (part, direction)")
         return False
@@ -41,14 +45,20 @@ def check_changed_part(baseline: str | Path, variant: str | Path | None, part: s
             f"part must be one of {list(GROUPS)} and direction 'up' or 'down', got {part!r}, {direction!r}"
         )
     table = share_table(baseline, variant)
-    for g, (x, y) in table.items():
-        print(f"{g:>14}: baseline {x:6.1%}  variant {y:6.1%}  ({100 * (y - x):+.1f} points)")
     x, y = table[part]
     moved = 100 * (y - x) if direction == "up" else 100 * (x - y)
+    vanished = direction == "down" and x > 0 and y == 0
     hint = (
-        f"the {part} share moved {100 * (y - x):+.1f} points; name a part that moved by at least "
-        f"{MIN_POINTS:.0f} points, in the direction it moved (see the table above)"
+        f"the {part} share did not move {direction} by more than {NOISE_POINTS:.0f} points (two "
+        "identical runs differ by up to that here), nor vanish. Which part of the step does your "
+        "variant remove, or add work to? Compare the bars, or the DIFF view"
     )
-    return check(
-        "the part of the step that changed", (part, direction), ok=lambda _: moved >= MIN_POINTS, hint=hint
+    ok = check(
+        "the part of the step that changed",
+        (part, direction),
+        ok=lambda _: vanished or moved > NOISE_POINTS,
+        hint=hint,
     )
+    for g, (a, b) in table.items():
+        print(f"{g:>14}: baseline {a:6.1%}  variant {b:6.1%}  ({100 * (b - a):+.1f} points)")
+    return ok
