@@ -67,6 +67,19 @@ TINY_GPT_ARGV = (
 ).split()
 
 
+#: What the fork server imports once, so that no spawned rank pays for it again (torch alone takes
+#: seconds of a core; ``torch._dynamo`` is imported by the first ``torch.optim`` optimizer).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlab.distributed"]
+mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """``mp.spawn`` from the fork server: ``fn(i, *args)`` for i < ``nprocs``, each in a fresh
+    process forked from one that has imported :data:`FORKSERVER_PRELOAD` and computed nothing
+    (so no thread pool is copied); a process that raises fails the call with its traceback."""
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def run_gloo(fn: Callable[..., None], world: int, *args, timeout_s: float = 60) -> None:
     """Run ``fn(ctx, *args)`` on ``world`` spawned ranks of one gloo group on a free port.
 
@@ -75,7 +88,7 @@ def run_gloo(fn: Callable[..., None], world: int, *args, timeout_s: float = 60) 
     ``fn`` must be a module-level function: the ranks are spawned, not forked (torch's thread pool
     does not survive a fork), and import it.
     """
-    mp.spawn(_gloo_rank, args=(world, free_port(), timeout_s, fn, args), nprocs=world, join=True)
+    spawn_ranks(_gloo_rank, (world, free_port(), timeout_s, fn, args), world)
 
 
 def assert_same_training(history: dict, reference: dict, what: str, tol: float = 1e-6) -> None:

@@ -15,13 +15,12 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from distlab import REPO_ROOT
 from distlab.cifar import data, engine
 from distlab.cifar.model import ModelSpec, build_model
 from distlab.distributed import free_port, torchrun_env
-from tests.conftest import gloo_group
+from tests.conftest import gloo_group, spawn_ranks
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPT = REPO_ROOT / "code" / "train_cifar.py"
@@ -51,7 +50,7 @@ def _train_rank(rank: int, jobs: list[tuple[int, list[str], str]]) -> None:
 def spawn_train(*jobs: tuple[int, list[str], str]) -> list[list[list[dict]]]:
     """Run train_cifar.main for each (world, argv, out) job at once; per job, each rank's records."""
     with_ports = [(w, a, f"{o}:{free_port()}") for w, a, o in jobs]
-    mp.spawn(_train_rank, args=(with_ports,), nprocs=sum(w for w, _, _ in jobs))
+    spawn_ranks(_train_rank, (with_ports,), sum(w for w, _, _ in jobs))
     return [[json.loads(open(f"{o}.{r}.json").read()) for r in range(w)] for w, _, o in jobs]
 
 
@@ -116,7 +115,7 @@ def test_accuracy_does_not_depend_on_rank_count(tiny_data, tmp_path):
     ref_loss = torch.nn.functional.cross_entropy(logits, y).item()
     assert 0 < ref_acc < 1
     ports = {w: free_port() for w in (1, 2, 3)}
-    mp.spawn(_eval_rank, args=(ports, str(tiny_data), str(tmp_path / "m.pt"), str(tmp_path / "e")), nprocs=3)
+    spawn_ranks(_eval_rank, (ports, str(tiny_data), str(tmp_path / "m.pt"), str(tmp_path / "e")), 3)
     for world in (1, 2, 3):  # 37 images: 3 ranks score 13, 12, 12; 2 ranks 19, 18
         for rank in range(world):
             acc, loss = json.loads((tmp_path / f"e.{world}.{rank}.json").read_text())
