@@ -52,9 +52,16 @@ One srun task per rank, without torchrun (ranks from SLURM_PROCID)::
 
     srun --ntasks-per-node=2 python code/pretrain_gpt.py $ARGS
 
+Open MPI's mpirun, once for all nodes (ranks from OMPI_COMM_WORLD_*; over ssh, outside Slurm and
+PBS, a remote rank knows the rendezvous only from -x, and refuses to start without it)::
+
+    mpirun -np 4 --hostfile hostfile -bind-to none -x MASTER_ADDR=node1 -x MASTER_PORT=29500 -x PATH \
+        python code/pretrain_gpt.py $ARGS
+
 DeepSpeed ZeRO (data parallelism only; the JSON's batch keys are filled from the run and must
 obey train_batch_size = micro x accumulation x world size), launched as above or by DeepSpeed's
-own launcher from a hostfile (``node1 slots=2`` per line)::
+own launcher from a hostfile (``node1 slots=2`` per line), which exports the ``VAR=value`` lines of
+~/.deepspeed_env and ./.deepspeed_env (DS_ENV_FILE renames them) to every node::
 
     srun torchrun ... code/pretrain_gpt.py $ARGS --deepspeed --deepspeed_config ds_config.json --zero-stage 2
     deepspeed --hostfile hostfile code/pretrain_gpt.py $ARGS --deepspeed --deepspeed_config ds_config.json

@@ -94,6 +94,46 @@ def test_mpirun_under_pbs_finds_the_first_node_and_port_from_pbs(tmp_path):
     assert D.discover(env) == D.DistEnv(2, 4, 0, 2, "gpu32", 20000 + 81234 % 20000, "mpirun")
 
 
+MPI_2x1 = {  # what mpirun gives rank 1 of `mpirun -np 2 --hostfile hosts` (one slot per node)
+    "OMPI_COMM_WORLD_RANK": "1",
+    "OMPI_COMM_WORLD_SIZE": "2",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+}
+
+
+def test_mpirun_over_ssh_takes_the_rendezvous_from_its_x_flags():
+    """Outside Slurm and PBS, a remote rank knows MASTER_ADDR/PORT only from ``mpirun -x``."""
+    env = {**MPI_2x1, "MASTER_ADDR": "gpu32", "MASTER_PORT": "29411"}
+    assert D.discover(env) == D.DistEnv(1, 2, 0, 1, "gpu32", 29411, "mpirun")
+    for missing in ("MASTER_ADDR", "MASTER_PORT"):
+        half = {k: v for k, v in env.items() if k != missing}
+        with pytest.raises(
+            ValueError, match=f"no {missing}: .* add -x MASTER_ADDR=<first host> -x MASTER_PORT"
+        ):
+            D.discover(half)
+    one_node = {**MPI_2x1, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    assert D.discover(one_node).master_addr == "127.0.0.1"  # every rank on this host: localhost is right
+    assert D.discover({**MPI_2x1, **SLURM_2x2}).master_addr == "node1"  # inside a job: its first node
+
+
+def test_half_set_launcher_variables_are_refused():
+    with pytest.raises(ValueError, match="torchrun's variables are half set: RANK=3 without WORLD_SIZE"):
+        D.discover({"RANK": "3", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"})
+    with pytest.raises(ValueError, match="mpirun's variables are half set: .* without OMPI_COMM_WORLD_SIZE"):
+        D.discover({k: v for k, v in MPI_2x1.items() if k != "OMPI_COMM_WORLD_SIZE"})
+    with pytest.raises(ValueError, match="MASTER_PORT='node1:29500' is not a port number"):
+        D.discover({**MPI_2x1, "MASTER_ADDR": "node1", "MASTER_PORT": "node1:29500"})
+
+
+def test_network_settings_line():
+    assert D.network_settings({"PATH": "/bin", "TORCH_NCCL_TRACE_BUFFER_SIZE": "1"}) is None
+    env = {"NCCL_SOCKET_IFNAME": "^docker,lo", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"}
+    assert (
+        D.network_settings(env) == "GLOO_SOCKET_IFNAME=eth0 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=^docker,lo"
+    )
+
+
 def test_srun_variables():
     got = D.discover(SLURM_2x2)
     assert got == D.DistEnv(3, 4, 1, 2, "node1", 24242, "srun")

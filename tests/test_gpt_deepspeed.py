@@ -51,6 +51,18 @@ def test_config_filled_from_the_run_and_stage_overridden(tmp_path: Path) -> None
         load_config(path, micro_batch_size=4, accumulation_steps=2, world_size=2)
 
 
+def test_half_precision_sections_refused_with_the_engine_flags() -> None:
+    run = dict(micro_batch_size=4, accumulation_steps=1, world_size=2)
+    fp16 = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 1000, "hysteresis": 2}
+    with pytest.raises(
+        ValueError, match=r'enables "fp16": .* initial_scale_power p is --initial-loss-scale 2\^p'
+    ):
+        load_config({"fp16": fp16}, **run)
+    with pytest.raises(ValueError, match='enables "bf16"'):
+        load_config({"bf16": {"enabled": True}}, **run)
+    assert load_config({"fp16": {**fp16, "enabled": False}}, **run)["fp16"]["initial_scale_power"] == 10
+
+
 def test_model_parallel_refused() -> None:
     refuse_model_parallel(1, 1)
     with pytest.raises(

@@ -14,7 +14,13 @@ nothing                a single process: rank 0 of 1
 Launchers that do not export a rendezvous address (mpirun, srun) get ``MASTER_ADDR`` from the
 first host of the job (``SLURM_JOB_NODELIST``, or the first line of PBS's ``$PBS_NODEFILE``, else
 localhost) and ``MASTER_PORT`` from the job id (``SLURM_JOB_ID``, or the number in ``PBS_JOBID``),
-so every rank of a job agrees without talking first.
+so every rank of a job agrees without talking first. ``mpirun`` across nodes outside Slurm and PBS
+(over ssh) has no job to ask: both must come from ``mpirun -x MASTER_ADDR=... -x MASTER_PORT=...``.
+
+A half-set environment is refused with the fix, before any process group waits: some of a
+launcher's variables without the others (``RANK`` without ``WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``
+without ``_SIZE``), or an mpirun rank on another node that was not given the rendezvous address
+(ranks on mpirun's own node inherit its shell's variables; the others see only what ``-x`` sends).
 
 The backend follows the hardware: ``nccl`` when CUDA is present, else ``gloo``. Every process
 group is created with a timeout, so a missing or dead rank fails the job with a message instead
@@ -91,8 +97,8 @@ def _tasks_on_first_node(spec: str) -> int:
     return int(re.match(r"\d+", spec).group(0))
 
 
-def _first_host(env: Mapping[str, str]) -> str:
-    """The job's first node: Slurm's node list, else PBS's node file, else this machine."""
+def _first_host(env: Mapping[str, str]) -> str | None:
+    """The job's first node: Slurm's node list, else PBS's node file; None outside a job."""
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if nodelist:
         return expand_hostlist(nodelist)[0]
@@ -100,7 +106,7 @@ def _first_host(env: Mapping[str, str]) -> str:
         hosts = Path(env["PBS_NODEFILE"]).read_text().split()
         if hosts:
             return hosts[0]
-    return "127.0.0.1"
+    return None
 
 
 def _default_port(env: Mapping[str, str]) -> int:
@@ -110,11 +116,50 @@ def _default_port(env: Mapping[str, str]) -> int:
     return 20000 + job % 20000 if job else 29500
 
 
+#: Variables each launcher always sets together (a rank reads them all or none).
+_TOGETHER = {
+    "torchrun": ("RANK", "WORLD_SIZE"),
+    "mpirun": tuple(f"OMPI_COMM_WORLD_{v}" for v in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE")),
+}
+
+
+def _refuse_half_set(env: Mapping[str, str]) -> None:
+    """Raise, naming the variables and the fix, when a launcher's variables are only partly set,
+    or when mpirun's ranks span nodes outside Slurm and PBS without both rendezvous variables."""
+    for launcher, names in _TOGETHER.items():
+        given = [n for n in names if n in env]
+        if given and len(given) < len(names):
+            missing = [n for n in names if n not in env]
+            raise ValueError(
+                f"{launcher}'s variables are half set: {', '.join(f'{n}={env[n]}' for n in given)} without "
+                f"{', '.join(missing)}; {launcher} sets all of them: start the script with {launcher}, or "
+                f"unset the ones exported by hand"
+            )
+    if "OMPI_COMM_WORLD_RANK" not in env or _first_host(env) is not None:
+        return
+    world, local = int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
+    if local < world and missing:
+        raise ValueError(
+            f"mpirun started {world} ranks on several nodes ({local} on this one, rank "
+            f"{env['OMPI_COMM_WORLD_RANK']}) outside Slurm and PBS, and this rank has no {' or '.join(missing)}: "
+            f"ranks on other nodes see only what mpirun sends them; add -x MASTER_ADDR=<first host> "
+            f"-x MASTER_PORT=<free port> to the mpirun line"
+        )
+
+
 def discover(env: Mapping[str, str] | None = None) -> DistEnv:
-    """Read rank, world size and rendezvous address from the launcher's variables."""
+    """Read rank, world size and rendezvous address from the launcher's variables.
+
+    Raises ValueError (with the fix) for a half-set environment: see the module docstring.
+    """
     env = os.environ if env is None else env
-    addr = env.get("MASTER_ADDR") or _first_host(env)
-    port = int(env.get("MASTER_PORT", _default_port(env)))
+    _refuse_half_set(env)
+    addr = env.get("MASTER_ADDR") or _first_host(env) or "127.0.0.1"
+    port = env.get("MASTER_PORT") or str(_default_port(env))
+    if not port.isdigit():
+        raise ValueError(f"MASTER_PORT={port!r} is not a port number: export a free TCP port, e.g. 29500")
+    port = int(port)
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
         return DistEnv(
@@ -206,6 +251,17 @@ def cap_cpu_threads(local_world_size: int) -> str:
     torch.set_num_threads(threads)
     note = f" (OMP_NUM_THREADS={asked} capped)" if asked > threads else ""
     return f"intra-op threads: {threads} of {usable_cpus()} usable cores{note}"
+
+
+def network_settings(env: Mapping[str, str] | None = None) -> str | None:
+    """This rank's communication variables (``NCCL_*``, ``GLOO_*``), or None when none is set.
+
+    The settings a cluster's job script or DeepSpeed's ``.deepspeed_env`` gives every node (which
+    interface, InfiniBand or not). Printed by every rank, they show which node received them.
+    """
+    env = os.environ if env is None else env
+    given = sorted(f"{k}={v}" for k, v in env.items() if k.startswith(("NCCL_", "GLOO_")))
+    return " ".join(given) or None
 
 
 @dataclass(frozen=True)

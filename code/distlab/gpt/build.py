@@ -24,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from distlab.distributed import DistContext, cap_cpu_threads, print_on
+from distlab.distributed import DistContext, cap_cpu_threads, network_settings, print_on
 from distlab.gpt import checkpointer, checkpointing, deepspeed_config, deepspeed_engine, log
 from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
 from distlab.gpt.context_parallel import describe as describe_cp
@@ -138,6 +139,8 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
             accumulation=layout.num_micro_batches,
         ),
     )
+    network = network_settings()  # every rank: shows which nodes got the job's (or .deepspeed_env's) settings
+    print_on(network is not None, f"> rank {ctx.rank} on {socket.gethostname()}: {network}")
     if layout.batch_schedule:
         print_on(rank0, ramp_line(layout))
     moe = moe_config(args)

@@ -6,7 +6,10 @@ DeepSpeed's batch rule::
     e.g.      16     =                 2               x              4              x     2
 
 Only data parallelism (tp = pp = 1): Megatron-DeepSpeed's pipeline engine is not this course's.
-The run decides the batch keys the file leaves out; the ones it gives must agree. The runtime
+The run decides the batch keys the file leaves out; the ones it gives must agree. fp32 only: an
+``fp16`` or ``bf16`` section that is enabled is refused (the engine's own ``--fp16`` runs the same
+dynamic loss scaling, Megatron's flags for DeepSpeed's ``initial_scale_power``,
+``loss_scale_window`` and ``hysteresis``). The runtime
 (``deepspeed.initialize`` and the step) is in ``deepspeed_engine.py``.
 """
 
@@ -71,6 +74,14 @@ def load_config(
         zero["stage"] = zero_stage
     if zero.get("stage", 0) not in (0, 1, 2, 3):
         raise ValueError(f"{name}: ZeRO stage {zero.get('stage')} must be 0, 1, 2 or 3")
+    halves = [k for k in ("fp16", "bf16") if config.get(k, {}).get("enabled") not in (None, False)]
+    if halves:
+        raise ValueError(
+            f'{name} enables "{halves[0]}": DeepSpeed runs in fp32 in this course (the memory lines and '
+            f'the step assume fp32 weights); set its "enabled" to false, or train with the engine\'s '
+            f"--{halves[0]} without --deepspeed (fp16's initial_scale_power p is --initial-loss-scale 2^p, "
+            f"its loss_scale_window and hysteresis are --loss-scale-window and --hysteresis)"
+        )
     if "optimizer" in config:
         raise ValueError(
             f'{name} has an "optimizer" section: remove it, the run\'s own --optimizer / --lr are used'
