@@ -31,7 +31,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, print_on
-from distlab.gpt import checkpointer, checkpointing, deepspeed_config, deepspeed_engine, log
+from distlab.gpt import checkpointer, checkpointing, deepspeed_config, deepspeed_engine, log, torch_compile
 from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
 from distlab.gpt.context_parallel import describe as describe_cp
 from distlab.gpt.context_parallel import ring_of
@@ -221,7 +221,8 @@ def parallelize_model(
     (``--tensor-parallel-impl dtensor``) over ``mesh["tp"]``, then ``--use-torch-fsdp2``'s
     ``fully_shard`` of every block and the root over ``mesh["dp"]``, in place. Between the two,
     every data-parallel rank 0 prints its parameter count: its tensor-parallel shard (DTensor
-    local shards), per (tensor, pipeline) model-parallel rank as Megatron counts, before FSDP2."""
+    local shards), per (tensor, pipeline) model-parallel rank as Megatron counts, before FSDP2;
+    and ``--torch-compile`` compiles the blocks (with or without a mesh)."""
     layout = state.layout
     dtensor = args.tensor_parallel_impl == "dtensor" and layout.tp > 1
     mesh = None
@@ -242,6 +243,8 @@ def parallelize_model(
         state.dp_rank == 0 and state.cp_rank == 0,
         PARAMETERS.format(tp_rank=state.tp_rank, pp_rank=state.pp_rank, parameters=parameters),
     )
+    if args.torch_compile:  # after TP's plan, before fully_shard (torchtitan's order)
+        print_on(state.rank == 0, torch_compile.compile_blocks(model.layers))
     if args.use_torch_fsdp2:
         from distlab.gpt import fsdp2
 
