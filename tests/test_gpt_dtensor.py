@@ -26,6 +26,8 @@ from distlab.gpt.dtensor_parallel import as_nn_linear, check_plan
 from distlab.gpt.local_run import prepare_data, spawn_pretrain
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.plan_check import block_collectives, plan_is_right, try_mlp_plan
+from distlab.logs.formats import VOCAB_PADDING
+from distlab.logs.megatron import parameter_counts
 from tests.conftest import run_gloo
 from tests.test_gpt_fsdp2 import train_in_group
 from tests.test_gpt_training import TINY
@@ -156,6 +158,22 @@ def test_start_up_lines_show_the_mesh_and_the_plan(runs) -> None:
         "RowwiseParallel on attn.proj, mlp.fc2"
     ) in log
     assert "> torch FSDP2: fully_shard on each of 2 blocks, then the root, over a 1-D DeviceMesh of 2" in log
+
+
+def test_parameter_count_is_this_ranks_shard(runs) -> None:
+    """Every tp rank prints the values it holds (DTensor local shards, before FSDP2 splits them
+    over dp): the blocks split as by the hand-written TP, whose vocabulary-parallel embedding
+    keeps V H / 2 of E on each rank where the plan keeps E whole: V H / 2 more here."""
+    _, results = runs
+    hidden = int(TINY[TINY.index("--hidden-size") + 1])
+    for tp_rank in (0, 1):
+        logs = {name: results[2][tp_rank][name]["log"] for name in ("dtensor", "megatron")}
+        vocab = VOCAB_PADDING.parse(results[2][0]["megatron"]["log"])[0]["padded"]
+        counts = {name: parameter_counts(log) for name, log in logs.items()}
+        assert list(counts["dtensor"]) == [(tp_rank, 0)]
+        assert counts["dtensor"][tp_rank, 0] - counts["megatron"][tp_rank, 0] == vocab * hidden // 2
+        fsdp = parameter_counts(results[4][tp_rank]["fsdp2_x_dtensor"]["log"])  # dp rank 0, tp rank t
+        assert fsdp == counts["dtensor"]
 
 
 def test_refusals_name_the_values(data, runs) -> None:

@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import typing
 from dataclasses import dataclass, field
+
+import torch
 
 from distlab.distributed import pick_backend
 from distlab.gpt import deepspeed_config
@@ -167,6 +170,13 @@ class PretrainArgs:
         False,
         "FSDP2's CPUOffloadPolicy: parameter shards, their gradients and the optimizer state on the CPU, "
         "where the optimizer steps; each all-gather copies a block's shards to the device",
+    )
+    # --- torch.compile (no Megatron-LM flag; PyTorch's name) ---
+    torch_compile: bool = _f(
+        False,
+        "compile every transformer block with torch.compile (inductor; one graph for all blocks, "
+        "compiled in the first iteration; needs a C compiler on a CPU); prints the first iteration's "
+        "and the steady-state time at the end",
     )
     # --- parallelism ---
     tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
@@ -351,6 +361,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_profile_errors(args, world_size),
         *_deepspeed_errors(args, layout),
         *_torch_fsdp2_errors(args, layout),
+        *_torch_compile_errors(args),
         *_dtensor_errors(args, layout),
         *_ckpt_format_errors(args, layout),
         *_recompute_errors(args, layout),
@@ -543,6 +554,17 @@ def _deepspeed_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     except ValueError as exc:
         errors.append(str(exc))
     return errors
+
+
+def _torch_compile_errors(args: PretrainArgs) -> list[str]:
+    """--torch-compile on a CPU: inductor writes C++ and compiles it with $CXX (default g++) at run time."""
+    compiler = os.environ.get("CXX", "g++")
+    if not args.torch_compile or torch.cuda.is_available() or shutil.which(compiler):
+        return []
+    return [
+        f"--torch-compile on a CPU needs a C++ compiler at run time and {compiler!r} is not on PATH: "
+        f"install g++ (./lab setup does), set CXX to one, or leave --torch-compile out"
+    ]
 
 
 def _torch_fsdp2_errors(args: PretrainArgs, layout: Layout) -> list[str]:

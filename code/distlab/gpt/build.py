@@ -32,7 +32,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, network_settings, print_on
-from distlab.gpt import checkpointer, checkpointing, deepspeed_config, deepspeed_engine, log
+from distlab.gpt import checkpointer, checkpointing, deepspeed_config, deepspeed_engine, log, torch_compile
 from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
 from distlab.gpt.context_parallel import describe as describe_cp
 from distlab.gpt.context_parallel import ring_of
@@ -159,7 +159,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         _warm_up_kernels(args, precision)
     peak_meter = PeakMeter(device).start()
     model = _build_model(args, state, vocab, device)
-    mesh = parallelize_model(args, layout, model, device)
+    mesh = parallelize_model(args, state, model, device)
     optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()  # on the shards with FSDP2
     timeline = None
     if args.pipeline_timeline:
@@ -218,28 +218,42 @@ def use_deepspeed(run: Run) -> None:
 
 
 def parallelize_model(
-    args: PretrainArgs, layout: Layout, model: GPTModel, device: torch.device
+    args: PretrainArgs, state: ParallelState, model: GPTModel, device: torch.device
 ) -> DeviceMesh | None:
     """PyTorch's parallel API on the run's one ``DeviceMesh`` (None without it): DTensor TP
     (``--tensor-parallel-impl dtensor``) over ``mesh["tp"]``, then ``--use-torch-fsdp2``'s
-    ``fully_shard`` of every block and the root over ``mesh["dp"]``, in place."""
+    ``fully_shard`` of every block and the root over ``mesh["dp"]``, in place. Between the two,
+    every data-parallel rank 0 prints its parameter count: its tensor-parallel shard (DTensor
+    local shards), per (tensor, pipeline) model-parallel rank as Megatron counts, before FSDP2;
+    and ``--torch-compile`` compiles the blocks (with or without a mesh)."""
+    layout = state.layout
     dtensor = args.tensor_parallel_impl == "dtensor" and layout.tp > 1
-    if not (dtensor or args.use_torch_fsdp2):
-        return None
-    # imported only by runs that use it: torch.distributed.tensor.parallel imports FSDP, whose
-    # import before a DeepSpeed ZeRO-2 run leaves a gloo group's threads alive (main's c1bfd2c)
-    from distlab.gpt import dtensor_parallel, fsdp2
+    mesh = None
+    if dtensor or args.use_torch_fsdp2:
+        # imported only by runs that use it: torch.distributed.tensor.parallel imports FSDP, whose
+        # import before a DeepSpeed ZeRO-2 run leaves a gloo group's threads alive (main's c1bfd2c)
+        from distlab.gpt import dtensor_parallel
 
-    mesh = dtensor_parallel.device_mesh(layout, device)
-    rank0 = mesh.get_rank() == 0
-    print_on(rank0, dtensor_parallel.describe_mesh(mesh))
+        mesh = dtensor_parallel.device_mesh(layout, device)
+        print_on(state.rank == 0, dtensor_parallel.describe_mesh(mesh))
     if dtensor:
         plan = dtensor_parallel.parallelize(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
-        print_on(rank0, dtensor_parallel.describe_plan(plan, mesh["tp"]))
+        print_on(state.rank == 0, dtensor_parallel.describe_plan(plan, mesh["tp"]))
+    parameters = (
+        dtensor_parallel.local_numel(model) if dtensor else sum(p.numel() for p in model.parameters())
+    )
+    print_on(
+        state.dp_rank == 0 and state.cp_rank == 0,
+        PARAMETERS.format(tp_rank=state.tp_rank, pp_rank=state.pp_rank, parameters=parameters),
+    )
+    if args.torch_compile:  # after TP's plan, before fully_shard (torchtitan's order)
+        print_on(state.rank == 0, torch_compile.compile_blocks(model.layers))
     if args.use_torch_fsdp2:
+        from distlab.gpt import fsdp2
+
         config = fsdp2.FSDP2Config.from_args(args)
         fsdp2.shard_model(model, mesh["dp"], config, device)
-        print_on(rank0, config.describe(mesh["dp"], len(model.layers)))
+        print_on(state.rank == 0, config.describe(mesh["dp"], len(model.layers)))
     return mesh
 
 
@@ -287,7 +301,7 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
 
 
 def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
-    """This rank's stage and tensor-parallel shard of the GPT; prints its parameter count."""
+    """This rank's stage and tensor-parallel shard of the GPT (whole with DTensor TP: split later)."""
     # dropout; the weights come from init_parameters. With SP each tp rank drops out its own
     # positions: its own stream (Megatron's model-parallel RNG), not tp copies of one mask
     torch.manual_seed(args.seed + 100 * state.pp_rank + (state.tp_rank if args.sequence_parallel else 0))
@@ -311,16 +325,7 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
         sequence_parallel=state.layout.sequence_parallel and args.tensor_parallel_impl == "megatron",
     )
     dtensor = args.tensor_parallel_impl == "dtensor"  # unsharded here, split by parallelize_model
-    model = GPTModel(cfg, None if dtensor else state).to(device)
-    print_on(
-        state.dp_rank == 0 and state.cp_rank == 0,
-        PARAMETERS.format(
-            tp_rank=state.tp_rank,
-            pp_rank=state.pp_rank,
-            parameters=sum(p.numel() for p in model.parameters()),
-        ),
-    )
-    return model
+    return GPTModel(cfg, None if dtensor else state).to(device)
 
 
 def _build_forward_backward(

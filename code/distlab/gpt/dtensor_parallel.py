@@ -163,6 +163,11 @@ def parallelize(
     return plan
 
 
+def local_numel(model: nn.Module) -> int:
+    """The values this rank holds: a DTensor parameter's local shard, a plain one whole."""
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+
+
 @torch.no_grad()
 def reduce_partial_gradients(params: Iterable[nn.Parameter]) -> None:
     """Make every ``Partial`` gradient whole (all-reduce over its mesh dimensions): the norms

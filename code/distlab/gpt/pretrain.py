@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.distributed import discover, init_distributed, print_on, shutdown
-from distlab.gpt import log
+from distlab.gpt import log, torch_compile
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
 from distlab.gpt.fault_handling import ExitSignal, is_timeout, missing_ranks
@@ -77,6 +77,7 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     profiler = log.StepProfiler(args, run.state.rank, first_iteration)
     print_on(run.rank0, "> training ...")
     run.model.train()
+    iteration_ms = []  # this run's, for --torch-compile's line
     while run.iteration < args.train_iters:
         lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
         batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
@@ -90,11 +91,14 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
             report_memory(run)
         profiler.step()
         log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
+        iteration_ms.append(before_ms + step_ms)
         maybe_evaluate(run)
         maybe_save(run)
         if stop_requested(run, timer, exit_signal):
             break
     profiler.stop()
+    compiled = torch_compile.timing_line(iteration_ms) if args.torch_compile else None
+    print_on(run.last_rank and compiled is not None, compiled)
     return finish(run)
 
 

@@ -14,12 +14,15 @@ order (batched p2p between neighbouring ranks), and divides the gradients by m: 
 the batch's mean loss. The two copies of E get their summed gradient here (one all-reduce between
 the first and the last stage's rank, ``gradients.py``'s tied-embedding sum), then AdamW steps.
 Notebook 05's hand-written GPipe and 1F1B (``pipeline_parallel.py``) do the same with named
-communication steps; here PyTorch's schedule objects do.
+communication steps; here PyTorch's schedule objects do. :func:`compare_schedules` runs both on
+the same batches, timing each step, with the hand-written engine's measured bubble
+(``pipeline_timeline``: 1 - busy / (p x span) of the last step).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -44,6 +47,10 @@ from distlab.distributed import free_port, init_distributed, shutdown, torchrun_
 from distlab.gpt.layout import Layout
 from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.pipeline_parallel import PipelineForwardBackward
+from distlab.gpt.pipeline_timeline import PipelineTimeline
+from distlab.gpt.pp_communications import P2PSpec
+from distlab.gpt.training import LocalBackend, train_step
 
 #: Name -> (schedule class, stages per rank).
 SCHEDULES = {
@@ -52,6 +59,8 @@ SCHEDULES = {
     "interleaved_1f1b": (ScheduleInterleaved1F1B, 2),
     "interleaved_zero_bubble": (ScheduleInterleavedZeroBubble, 2),
 }
+#: Notebook 05's hand-written schedules (``pipeline_parallel.py``): name -> (its schedule, v).
+HAND_WRITTEN = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b": ("1f1b", 2)}
 
 
 class StageModule(nn.Module):
@@ -137,23 +146,51 @@ def train_steps(
     return out
 
 
+def hand_written_steps(
+    cfg: GPTConfig, name: str, batches: list[tuple[torch.Tensor, torch.Tensor]], m: int, lr: float
+) -> dict:
+    """The engine's own schedule ``name`` (:data:`HAND_WRITTEN`) over the world's ranks, one AdamW
+    step per (tokens, labels) batch (b m, T) cut into m micro-batches, no clipping (as
+    :func:`train_steps`): ``{"losses", "step_ms", "bubble"}``, the bubble measured on the last step."""
+    schedule, v = HAND_WRITTEN[name]
+    pp, (bm, seq) = dist.get_world_size(), batches[0][0].shape
+    layout = Layout(pp, pp=pp, vp=v, micro_batch_size=bm // m, global_batch_size=bm)
+    state = ParallelState.build(layout)  # collective: every rank
+    device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.get_default_device()
+    model = GPTModel(cfg, state).to(device)
+    timeline = PipelineTimeline(state.pp_rank, pp, device, group=state.pp_group)
+    spec = P2PSpec((bm // m, seq, cfg.hidden_size), torch.float32, device, timeout_s=60)  # (b, T, H)
+    fb = PipelineForwardBackward(state, spec, schedule=schedule, timeline=timeline, chunks=v)
+    backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=lr), state, clip_grad=math.inf)
+    losses, step_ms = [], []
+    for tokens, labels in batches:
+        start = time.perf_counter()
+        micro = list(zip(tokens.chunk(m), labels.chunk(m), strict=True))  # m x ((b, T), (b, T))
+        losses.append(train_step(backend, micro, state=state, forward_backward_fn=fb).loss)
+        step_ms.append(1000 * (time.perf_counter() - start))
+    return {"losses": losses, "step_ms": step_ms, "bubble": timeline.gather()["measured_bubble"]}
+
+
 def _schedules_rank(rank: int, port: int, cfg: GPTConfig, batches: list, m: int, out: str) -> None:
     os.environ.update(torchrun_env(rank, 2, port))
     torch.set_num_threads(1)  # the two ranks share the notebook's cores
     ctx = init_distributed("gloo")
-    results = {}
+    results: dict[str, dict] = {"torch": {}, "hand_written": {}}
     for name in SCHEDULES:
         stages = build_stages(cfg, name, ctx.device)
         step_s: list[float] = []
         losses = train_steps(stages, build_schedule(stages, name, m), batches, 1e-2, step_s)
-        results[name] = {"losses": losses, "step_ms": [1000 * s for s in step_s]}
+        results["torch"][name] = {"losses": losses, "step_ms": [1000 * s for s in step_s]}
+    for name in HAND_WRITTEN:
+        results["hand_written"][name] = hand_written_steps(cfg, name, batches, m, 1e-2)
     if rank == 1:  # the last stage's rank
         Path(out, "schedules.json").write_text(json.dumps(results))
     shutdown()
 
 
 def compare_schedules(cfg: GPTConfig, batches: list, num_micro_batches: int) -> dict:
-    """Every schedule on 2 spawned gloo ranks: ``{name: {"losses", "step_ms"}}`` per step."""
+    """Every schedule on 2 spawned gloo ranks, PyTorch's and the engine's: ``{"torch": {name:
+    {"losses", "step_ms"}}, "hand_written": {name: {"losses", "step_ms", "bubble"}}}``, per step."""
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(
             _schedules_rank, args=(free_port(), cfg, batches, num_micro_batches, out), nprocs=2, join=True

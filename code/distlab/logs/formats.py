@@ -21,6 +21,7 @@ module needs only the standard library: the engine prints with it, the notebooks
     DEEPSPEED      > deepspeed: ZeRO stage z[, offload optimizer to cpu] | train_batch_size B = micro b x accumulation m ...
     ITERATION       iteration i/ n | consumed samples: ... | lm loss: ... | tokens per second: ... |
     VALIDATION      validation loss at LABEL | lm loss value: ... | lm loss PPL: ... |
+    COMPILE        > torch.compile: first iteration F ms (tracing and code generation included) | steady state S ms per iteration (median of the n after it)
     SAVED            successfully saved checkpoint at iteration i to D in F format[ (async)] | blocking ... | total ...
     EXIT_SIGNAL    exiting program after receiving SIGUSR1 at iteration i
     HANG           > hang: a collective of iteration i waited T s (--distributed-timeout-minutes); no answer from ranks [r]
@@ -154,6 +155,12 @@ ITERATION = LogLine(
 )
 #: The body of Megatron's boxed validation report.
 VALIDATION = LogLine(" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | ")
+#: The end of a --torch-compile run (``torch_compile.timing_line``): the first iteration's time
+#: (it compiles) and the median of the others, from the iteration lines' elapsed times.
+COMPILE = LogLine(
+    "> torch.compile: first iteration {first_ms:.1f} ms (tracing and code generation included) | "
+    "steady state {steady_ms:.1f} ms per iteration (median of the {n:d} after it)"
+)
 #: One MoE layer's routing in a logged iteration (all micro-batches and data-parallel ranks):
 #: Megatron's load_balancing_loss (E sum_i f_i P_i, without its coefficient; 1 when balanced),
 #: the (token, expert) pairs over capacity, and ``counts``: tokens per expert, space-separated.
