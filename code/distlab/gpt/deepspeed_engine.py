@@ -35,6 +35,11 @@ def initialize(module: nn.Module, optimizer: torch.optim.Optimizer, config: dict
     """``deepspeed.initialize`` on the process group already started; returns the engine."""
     import deepspeed  # slow to import: only runs that ask for it pay
 
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU back end would JIT-compile its shared-memory all-reduce (C++ through g++
+        # and ninja: minutes on 2 cores, again for every user's ~/.cache/torch_extensions) at its
+        # first start. This course's CPU runs reduce through gloo: mark that op as not buildable.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     return engine
 
