@@ -33,7 +33,7 @@ from distlab.gpt.checkpointing import resume_line
 from distlab.gpt.fault_handling import ExitSignal
 from distlab.gpt.local_run import prepare_data
 from distlab.logs import restarts
-from distlab.logs.formats import EXIT_SIGNAL, HANG, ITERATION, SAVED
+from distlab.logs.formats import BATCH, EXIT_SIGNAL, HANG, ITERATION, SAVED
 from distlab.logs.megatron import banner_line
 
 pytestmark = pytest.mark.timeout(120)
@@ -207,10 +207,12 @@ def test_a_stopped_rank_is_named_after_the_timeout(data, tmp_path):
 
 
 def attempt_log(
-    first: int, last: int, resume: str, saves=(), stop: int | None = None, shift: float = 0.0
+    first: int, last: int, resume: str, saves=(), stop: int | None = None, shift: float = 0.0, world: int = 4
 ) -> str:
-    """One attempt as the engine prints it: banner, resume line, iteration and save lines."""
-    lines = [banner_line(4), resume]
+    """One attempt as the engine prints it: banner, batch, resume line, iteration and save lines
+    (global batch 8, micro batch 2, ``world`` data-parallel ranks)."""
+    batch = BATCH.format(global_batch=8, micro_batch=2, dp=world, accumulation=8 // (2 * world))
+    lines = [banner_line(world), batch, resume]
     for it in range(first, last + 1):
         lines.append(ITERATION.format(it=it, total=20, samples=8 * it, ms=30.0, lr=1e-3, gbs=8,
                                       loss=7.0 - it / 10 + shift, scale=1.0, skipped=0, nan=0))  # fmt: skip
@@ -247,6 +249,15 @@ def test_attempts_of_a_restarted_and_of_a_requeued_run():
     assert (stopped.exit_signal, resumed.resumed_from, resumed.restart) == (7, 7, 0)
     hang = HANG.format(iteration=4, timeout_s=6.0, ranks="1, 3")
     assert restarts.hang_report(f"x\n{hang}\n") == {"iteration": 4, "timeout_s": 6.0, "ranks": [1, 3]}
+
+
+def test_the_layout_of_each_attempt_of_an_elastic_run():
+    """A node lost under --nnodes=1:2: world 4 -> 2, the same global batch from twice the accumulation."""
+    elastic = attempt_log(1, 13, resume(None), saves=(5, 10)) + attempt_log(11, 20, resume(10, 1), world=2)
+    layouts = [(a.world_size, a.dp, a.accumulation, a.resumed_from) for a in restarts.attempts(elastic)]
+    assert layouts == [(4, 4, 1, 0), (2, 2, 2, 10)]
+    died_early = "using world size" + elastic.split("using world size")[1].split("> global batch")[0]
+    assert [(a.world_size, a.accumulation) for a in restarts.attempts(died_early)] == [(4, 0)]
 
 
 def test_exercise_check_passes_only_a_run_that_resumed_from_a_recent_checkpoint(capsys):
