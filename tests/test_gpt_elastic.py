@@ -45,7 +45,9 @@ def data(tmp_path_factory):
     return prepare_data(tmp_path_factory.mktemp("gptdata"), vocab_size=512, max_files=80).argv()
 
 
-def agent(folder: Path, port: int, host: bool, ckpt: Path, data: list[str], log, pause: bool) -> subprocess.Popen:
+def agent(
+    folder: Path, port: int, host: bool, ckpt: Path, data: list[str], log, pause: bool
+) -> subprocess.Popen:
     """One node's torchrun agent (2 workers), in a session of its own; its workers note their pids."""
     (folder / "pids").mkdir(parents=True)
     (folder / "worker.py").write_text(WORKER)
@@ -58,7 +60,9 @@ def agent(folder: Path, port: int, host: bool, ckpt: Path, data: list[str], log,
     cmd += [f"--rdzv-conf={RDZV},is_host={int(host)}", "--rdzv-id=elastic-test"]
     cmd += [str(folder / "worker.py"), str(REPO_ROOT / "code" / "pretrain_gpt.py"), *TINY, *data]
     cmd += ["--save", str(ckpt), "--load", str(ckpt)]
-    return subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def test_a_lost_node_leaves_a_world_of_two_that_resumes_with_the_same_global_batch(data, tmp_path):
@@ -73,7 +77,9 @@ def test_a_lost_node_leaves_a_world_of_two_that_resumes_with_the_same_global_bat
         paused = tmp_path / "node2" / "paused.pid"
         while not paused.exists():
             assert first.poll() is None and second.poll() is None, f"an agent ended:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"no pause after iteration {PAUSE_AFTER}:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, (
+                f"no pause after iteration {PAUSE_AFTER}:\n{log_path.read_text()}"
+            )
             time.sleep(0.05)
         os.kill(second.pid, signal.SIGKILL)  # the node: its agent, then its workers
         kill_workers(tmp_path / "node2", tmp_path / "node2" / "worker.py")
