@@ -296,6 +296,32 @@ def test_a_rank_is_the_process_that_runs_the_script_not_its_launcher():
     assert not faults.runs_script([py, "-c", "import x", script]) and not faults.runs_script([py])
 
 
+def test_kill_node_kills_every_process_of_the_job_but_its_own_step(tmp_path, monkeypatch, capsys):
+    """A node lost: the launcher and its rank (step 0) die; the step that kills (step 1) lives."""
+    worker = tmp_path / "pretrain_gpt.py"
+    worker.write_text("import time; time.sleep(60)")
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    agent = subprocess.Popen(sleep)
+    rank = subprocess.Popen([sys.executable, str(worker)], env={**os.environ, "RANK": "3"})
+    own = subprocess.Popen(sleep)
+    try:
+        rows = [(agent.pid, "0"), (rank.pid, "0"), (own.pid, "1")]
+        monkeypatch.setattr(faults, "job_pids", lambda job: rows)
+        monkeypatch.setenv("SLURM_STEP_ID", "1")
+        time.sleep(0.5)  # the rank's environment is readable once it runs
+        assert faults.main(["kill-node", "--job", "7"]) == 0
+        assert agent.wait(timeout=10) == rank.wait(timeout=10) == -signal.SIGKILL
+        assert own.poll() is None
+        line = capsys.readouterr().out
+        assert (
+            f"kill -KILL {agent.pid} ({Path(sys.executable).name})" in line and f"{rank.pid} (rank 3)" in line
+        ), line
+    finally:
+        for proc in (agent, rank, own):
+            proc.kill()
+            proc.wait()
+
+
 def test_the_nodes_side_of_faults_starts_without_torch() -> None:
     """``python -m distlab.faults`` runs on the nodes between two iterations of the run it signals:
     importing torch there (2 s or more on a loaded node) lets a short run end before its kill."""

@@ -11,8 +11,9 @@ process of the wanted rank (``RANK`` in its environment, as torchrun sets it, el
         --signal KILL --after-iteration 80 --log jobs/x.out
 
 ``signal`` waits until the job's log shows iteration 80 (the log is on the shared file system),
-then sends the signal; the node that does not hold the rank prints nothing. ``kill-node`` signals
-every process of the job on the node it runs on (but its own step's): a node lost. From Python:
+then sends the signal; the node that does not hold the rank prints nothing. ``kill-node`` (same
+options but ``--rank``) signals every process of the job on the node it runs on (but its own
+step's): a node lost. From Python:
 :func:`rank_pids`, :func:`inject` and :func:`kill_node`.
 
 How often to checkpoint (Young 1974, Daly 2006), for a save that takes C seconds and a mean time
@@ -112,8 +113,8 @@ def last_iteration(text: str) -> int:
     return int(found[-1]) if found else 0
 
 
-def _signal_rank(args: argparse.Namespace) -> int:
-    """Wait for ``--after-iteration`` in ``--log``, then signal ``--rank`` if it runs here."""
+def _wait_for_log(args: argparse.Namespace) -> bool:
+    """Wait until ``--log`` shows ``--after-iteration`` (at once without it); False after ``--timeout``."""
     deadline = time.monotonic() + args.timeout
     if args.after_iteration:
         log = Path(args.log)
@@ -122,31 +123,53 @@ def _signal_rank(args: argparse.Namespace) -> int:
                 print(
                     f"{socket.gethostname()}: no iteration {args.after_iteration} in {log} after {args.timeout} s"
                 )
-                return 1
+                return False
             time.sleep(0.02)
+    return True
+
+
+def _after(args: argparse.Namespace) -> str:
+    """' after iteration N was logged', read now (empty without ``--log``)."""
+    return (
+        f" after iteration {last_iteration(Path(args.log).read_text(errors='replace'))} was logged"
+        if args.log
+        else ""
+    )
+
+
+def _signal_rank(args: argparse.Namespace) -> int:
+    """Wait for ``--after-iteration`` in ``--log``, then signal ``--rank`` if it runs here."""
+    if not _wait_for_log(args):
+        return 1
     pid = node_ranks(args.job, args.script).get(args.rank)
     if pid is None:
         return 0  # another node's rank
-    seen = last_iteration(Path(args.log).read_text(errors="replace")) if args.log else None
+    after = _after(args)
     os.kill(pid, signal.Signals["SIG" + args.signal])
-    after = f" after iteration {seen} was logged" if seen is not None else ""
     print(f"{socket.gethostname()}: kill -{args.signal} {pid} (rank {args.rank}){after}", flush=True)
     return 0
 
 
 def _describe(pid: int, script: str) -> str:
-    """'rank 3' for a training process, else its program's name ('torchrun', 'python3', ...)."""
+    """'rank 3' for a training process, else its program ('torchrun', 'torch.distributed.run', 'python3')."""
     cmdline = Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
     if runs_script(cmdline, script):
         env = _environ(pid)
         return f"rank {env.get('RANK', env.get('SLURM_PROCID', '?'))}"
-    program = next((arg for arg in cmdline[1:] if arg and not arg.startswith("-")), cmdline[0])
-    return Path(program).name
+    for i, arg in enumerate(cmdline[1:], start=1):  # the interpreter's options, then its program
+        if arg in ("-m", "-c"):
+            return cmdline[i + 1] if arg == "-m" else Path(cmdline[0]).name
+        if arg and not arg.startswith("-"):
+            return Path(arg).name
+    return Path(cmdline[0]).name
 
 
 def _kill_node(args: argparse.Namespace) -> int:
-    """Signal every process of the job on this node but this step's own: what a node's loss ends."""
-    own = os.environ.get("SLURM_STEP_ID")
+    """Wait for ``--after-iteration`` in ``--log``, then signal every process of the job on this node
+    but this step's own: what a node's loss ends."""
+    if not _wait_for_log(args):
+        return 1
+    after, own = _after(args), os.environ.get("SLURM_STEP_ID")
     victims = {}
     for pid, step in job_pids(args.job):
         try:
@@ -161,7 +184,7 @@ def _kill_node(args: argparse.Namespace) -> int:
         except ProcessLookupError:
             pass
     killed = ", ".join(f"{pid} ({what})" for pid, what in victims.items())
-    print(f"{socket.gethostname()}: kill -{args.signal} {killed}", flush=True)
+    print(f"{socket.gethostname()}: kill -{args.signal} {killed}{after}", flush=True)
     return 0
 
 
@@ -171,12 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("pids", help="print 'node rank pid' for this node's training processes of the job")
     sig = sub.add_parser("signal", help="signal one rank of the job (on the node that runs it)")
     sig.add_argument("--rank", type=int, required=True)
-    sig.add_argument("--signal", default="KILL", help="KILL, STOP, CONT, TERM, USR1, ...")
-    sig.add_argument("--after-iteration", type=int, default=0, help="wait until the log shows it")
-    sig.add_argument("--log", help="the job's output file (the iteration lines)")
-    sig.add_argument("--timeout", type=float, default=300.0)
     node = sub.add_parser("kill-node", help="signal all of the job's processes on this node (a node lost)")
-    node.add_argument("--signal", default="KILL")
+    for p in (sig, node):
+        p.add_argument("--signal", default="KILL", help="KILL, STOP, CONT, TERM, USR1, ...")
+        p.add_argument("--after-iteration", type=int, default=0, help="wait until the log shows it")
+        p.add_argument("--log", help="the job's output file (the iteration lines)")
+        p.add_argument("--timeout", type=float, default=300.0)
     for p in sub.choices.values():
         p.add_argument("--job", default=os.environ.get("SLURM_JOB_ID"), help="default: $SLURM_JOB_ID")
         p.add_argument("--script", default=SCRIPT, help="the training script's name in the command line")
@@ -229,11 +252,11 @@ def rank_pids(job: Job, expected: int | None = None, timeout: float = 60) -> dic
         time.sleep(0.5)
 
 
-def kill_node(job: Job, node: str | None = None, sig: str = "KILL") -> str:
-    """Signal every process of ``job`` on ``node`` (default: the job's last node), as the node's
-    loss would end them: its ``torchrun`` agent and that agent's workers at once. Returns the line
-    of what was killed. The first node runs the batch script (and here the rendezvous store):
-    losing it ends the job whatever torchrun does."""
+def kill_node(job: Job, node: str | None = None, sig: str = "KILL", after_iteration: int = 0) -> str:
+    """Once the log shows ``after_iteration`` (at once without it), signal every process of ``job``
+    on ``node`` (default: the job's last node), as the node's loss would end them: its ``torchrun``
+    agent and that agent's workers at once. Returns the line of what was killed. The first node runs
+    the batch script (and here the rendezvous store): losing it ends the job whatever torchrun does."""
     wait_for_state(job, {"RUNNING"})
     if node is None:
         listed = subprocess.run(["scontrol", "show", "hostnames", refresh(job).nodes], capture_output=True,
@@ -241,8 +264,9 @@ def kill_node(job: Job, node: str | None = None, sig: str = "KILL") -> str:
         node = listed.stdout.split()[-1]
     out = subprocess.run(
         ["srun", f"--jobid={job.id}", "--overlap", "-N1", "-n1", f"--nodelist={node}", "--cpus-per-task=1",
-         sys.executable, "-m", "distlab.faults", "kill-node", "--job", str(job.id), "--signal", sig],
-        capture_output=True, text=True, timeout=120, env=_step_env(),
+         sys.executable, "-m", "distlab.faults", "kill-node", "--job", str(job.id), "--signal", sig,
+         "--after-iteration", str(after_iteration), "--log", str(job.log_path)],
+        capture_output=True, text=True, timeout=600, env=_step_env(),
     )  # fmt: skip
     if out.returncode:
         raise RuntimeError(f"srun --overlap into job {job.id} on {node} failed: {out.stderr.strip()}")
