@@ -33,7 +33,7 @@ from distlab.gpt.checkpointing import resume_line
 from distlab.gpt.fault_handling import ExitSignal
 from distlab.gpt.local_run import prepare_data
 from distlab.logs import restarts
-from distlab.logs.formats import EXIT_SIGNAL, HANG, ITERATION, SAVED
+from distlab.logs.formats import BATCH, EXIT_SIGNAL, HANG, ITERATION, SAVED
 from distlab.logs.megatron import banner_line
 
 pytestmark = pytest.mark.timeout(120)
@@ -207,10 +207,12 @@ def test_a_stopped_rank_is_named_after_the_timeout(data, tmp_path):
 
 
 def attempt_log(
-    first: int, last: int, resume: str, saves=(), stop: int | None = None, shift: float = 0.0
+    first: int, last: int, resume: str, saves=(), stop: int | None = None, shift: float = 0.0, world: int = 4
 ) -> str:
-    """One attempt as the engine prints it: banner, resume line, iteration and save lines."""
-    lines = [banner_line(4), resume]
+    """One attempt as the engine prints it: banner, batch, resume line, iteration and save lines
+    (global batch 8, micro batch 2, ``world`` data-parallel ranks)."""
+    batch = BATCH.format(global_batch=8, micro_batch=2, dp=world, accumulation=8 // (2 * world))
+    lines = [banner_line(world), batch, resume]
     for it in range(first, last + 1):
         lines.append(ITERATION.format(it=it, total=20, samples=8 * it, ms=30.0, lr=1e-3, gbs=8,
                                       loss=7.0 - it / 10 + shift, scale=1.0, skipped=0, nan=0))  # fmt: skip
@@ -249,6 +251,15 @@ def test_attempts_of_a_restarted_and_of_a_requeued_run():
     assert restarts.hang_report(f"x\n{hang}\n") == {"iteration": 4, "timeout_s": 6.0, "ranks": [1, 3]}
 
 
+def test_the_layout_of_each_attempt_of_an_elastic_run():
+    """A node lost under --nnodes=1:2: world 4 -> 2, the same global batch from twice the accumulation."""
+    elastic = attempt_log(1, 13, resume(None), saves=(5, 10)) + attempt_log(11, 20, resume(10, 1), world=2)
+    layouts = [(a.world_size, a.dp, a.accumulation, a.resumed_from) for a in restarts.attempts(elastic)]
+    assert layouts == [(4, 4, 1, 0), (2, 2, 2, 10)]
+    died_early = "using world size" + elastic.split("using world size")[1].split("> global batch")[0]
+    assert [(a.world_size, a.accumulation) for a in restarts.attempts(died_early)] == [(4, 0)]
+
+
 def test_exercise_check_passes_only_a_run_that_resumed_from_a_recent_checkpoint(capsys):
     assert restarts.check_survived(None, REFERENCE, max_interval=5) is False
     assert "[not yet]" in capsys.readouterr().out
@@ -283,6 +294,32 @@ def test_a_rank_is_the_process_that_runs_the_script_not_its_launcher():
     assert not faults.runs_script([py, "/venv/bin/torchrun", "--nnodes=2", script])  # the agent names it
     assert not faults.runs_script([py, "-m", "torch.distributed.run", script])
     assert not faults.runs_script([py, "-c", "import x", script]) and not faults.runs_script([py])
+
+
+def test_kill_node_kills_every_process_of_the_job_but_its_own_step(tmp_path, monkeypatch, capsys):
+    """A node lost: the launcher and its rank (step 0) die; the step that kills (step 1) lives."""
+    worker = tmp_path / "pretrain_gpt.py"
+    worker.write_text("import time; time.sleep(60)")
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    agent = subprocess.Popen(sleep)
+    rank = subprocess.Popen([sys.executable, str(worker)], env={**os.environ, "RANK": "3"})
+    own = subprocess.Popen(sleep)
+    try:
+        rows = [(agent.pid, "0"), (rank.pid, "0"), (own.pid, "1")]
+        monkeypatch.setattr(faults, "job_pids", lambda job: rows)
+        monkeypatch.setenv("SLURM_STEP_ID", "1")
+        time.sleep(0.5)  # the rank's environment is readable once it runs
+        assert faults.main(["kill-node", "--job", "7"]) == 0
+        assert agent.wait(timeout=10) == rank.wait(timeout=10) == -signal.SIGKILL
+        assert own.poll() is None
+        line = capsys.readouterr().out
+        assert (
+            f"kill -KILL {agent.pid} ({Path(sys.executable).name})" in line and f"{rank.pid} (rank 3)" in line
+        ), line
+    finally:
+        for proc in (agent, rank, own):
+            proc.kill()
+            proc.wait()
 
 
 def test_the_nodes_side_of_faults_starts_without_torch() -> None:

@@ -11,8 +11,10 @@ process of the wanted rank (``RANK`` in its environment, as torchrun sets it, el
         --signal KILL --after-iteration 80 --log jobs/x.out
 
 ``signal`` waits until the job's log shows iteration 80 (the log is on the shared file system),
-then sends the signal; the node that does not hold the rank prints nothing. From Python:
-:func:`rank_pids` and :func:`inject`.
+then sends the signal; the node that does not hold the rank prints nothing. ``kill-node`` (same
+options but ``--rank``) signals every process of the job on the node it runs on (but its own
+step's): a node lost. From Python:
+:func:`rank_pids`, :func:`inject` and :func:`kill_node`.
 
 How often to checkpoint (Young 1974, Daly 2006), for a save that takes C seconds and a mean time
 between failures M: a failure loses on average half an interval plus the restart R, a save costs C
@@ -81,12 +83,17 @@ def runs_script(cmdline: list[str], script: str = SCRIPT) -> bool:
     return False
 
 
+def job_pids(job_id: str) -> list[tuple[int, str]]:
+    """This node's processes of job ``job_id``: (pid, step id), from ``scontrol listpids``."""
+    out = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True, check=True)
+    rows = [line.split() for line in out.stdout.splitlines()[1:]]  # PID JOBID STEPID LOCALID GLOBALID
+    return [(int(row[0]), row[2]) for row in rows]
+
+
 def node_ranks(job_id: str, script: str = SCRIPT) -> dict[int, int]:
     """This node's training processes of job ``job_id``: rank -> pid."""
-    out = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True, check=True)
     ranks = {}
-    for line in out.stdout.splitlines()[1:]:  # PID JOBID STEPID LOCALID GLOBALID
-        pid = int(line.split()[0])
+    for pid, _ in job_pids(job_id):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
             if not runs_script(cmdline, script):
@@ -106,8 +113,8 @@ def last_iteration(text: str) -> int:
     return int(found[-1]) if found else 0
 
 
-def _signal_rank(args: argparse.Namespace) -> int:
-    """Wait for ``--after-iteration`` in ``--log``, then signal ``--rank`` if it runs here."""
+def _wait_for_log(args: argparse.Namespace) -> bool:
+    """Wait until ``--log`` shows ``--after-iteration`` (at once without it); False after ``--timeout``."""
     deadline = time.monotonic() + args.timeout
     if args.after_iteration:
         log = Path(args.log)
@@ -116,15 +123,68 @@ def _signal_rank(args: argparse.Namespace) -> int:
                 print(
                     f"{socket.gethostname()}: no iteration {args.after_iteration} in {log} after {args.timeout} s"
                 )
-                return 1
+                return False
             time.sleep(0.02)
+    return True
+
+
+def _after(args: argparse.Namespace) -> str:
+    """' after iteration N was logged', read now (empty without ``--log``)."""
+    return (
+        f" after iteration {last_iteration(Path(args.log).read_text(errors='replace'))} was logged"
+        if args.log
+        else ""
+    )
+
+
+def _signal_rank(args: argparse.Namespace) -> int:
+    """Wait for ``--after-iteration`` in ``--log``, then signal ``--rank`` if it runs here."""
+    if not _wait_for_log(args):
+        return 1
     pid = node_ranks(args.job, args.script).get(args.rank)
     if pid is None:
         return 0  # another node's rank
-    seen = last_iteration(Path(args.log).read_text(errors="replace")) if args.log else None
+    after = _after(args)
     os.kill(pid, signal.Signals["SIG" + args.signal])
-    after = f" after iteration {seen} was logged" if seen is not None else ""
     print(f"{socket.gethostname()}: kill -{args.signal} {pid} (rank {args.rank}){after}", flush=True)
+    return 0
+
+
+def _describe(pid: int, script: str) -> str:
+    """'rank 3' for a training process, else its program ('torchrun', 'torch.distributed.run', 'python3')."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
+    if runs_script(cmdline, script):
+        env = _environ(pid)
+        return f"rank {env.get('RANK', env.get('SLURM_PROCID', '?'))}"
+    for i, arg in enumerate(cmdline[1:], start=1):  # the interpreter's options, then its program
+        if arg in ("-m", "-c"):
+            return cmdline[i + 1] if arg == "-m" else Path(cmdline[0]).name
+        if arg and not arg.startswith("-"):
+            return Path(arg).name
+    return Path(cmdline[0]).name
+
+
+def _kill_node(args: argparse.Namespace) -> int:
+    """Wait for ``--after-iteration`` in ``--log``, then signal every process of the job on this node
+    but this step's own: what a node's loss ends."""
+    if not _wait_for_log(args):
+        return 1
+    after, own = _after(args), os.environ.get("SLURM_STEP_ID")
+    victims = {}
+    for pid, step in job_pids(args.job):
+        try:
+            if step != own:
+                victims[pid] = _describe(pid, args.script)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # ended meanwhile
+    # the agents first: a launcher that outlives its workers by a moment would start to restart them
+    for pid in sorted(victims, key=lambda p: victims[p].startswith("rank")):
+        try:
+            os.kill(pid, signal.Signals["SIG" + args.signal])
+        except ProcessLookupError:
+            pass
+    killed = ", ".join(f"{pid} ({what})" for pid, what in victims.items())
+    print(f"{socket.gethostname()}: kill -{args.signal} {killed}{after}", flush=True)
     return 0
 
 
@@ -134,10 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("pids", help="print 'node rank pid' for this node's training processes of the job")
     sig = sub.add_parser("signal", help="signal one rank of the job (on the node that runs it)")
     sig.add_argument("--rank", type=int, required=True)
-    sig.add_argument("--signal", default="KILL", help="KILL, STOP, CONT, TERM, USR1, ...")
-    sig.add_argument("--after-iteration", type=int, default=0, help="wait until the log shows it")
-    sig.add_argument("--log", help="the job's output file (the iteration lines)")
-    sig.add_argument("--timeout", type=float, default=300.0)
+    node = sub.add_parser("kill-node", help="signal all of the job's processes on this node (a node lost)")
+    for p in (sig, node):
+        p.add_argument("--signal", default="KILL", help="KILL, STOP, CONT, TERM, USR1, ...")
+        p.add_argument("--after-iteration", type=int, default=0, help="wait until the log shows it")
+        p.add_argument("--log", help="the job's output file (the iteration lines)")
+        p.add_argument("--timeout", type=float, default=300.0)
     for p in sub.choices.values():
         p.add_argument("--job", default=os.environ.get("SLURM_JOB_ID"), help="default: $SLURM_JOB_ID")
         p.add_argument("--script", default=SCRIPT, help="the training script's name in the command line")
@@ -146,10 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         for rank, pid in sorted(node_ranks(args.job, args.script).items()):
             print(f"{socket.gethostname()} {rank} {pid}", flush=True)
         return 0
-    return _signal_rank(args)
+    return _kill_node(args) if args.command == "kill-node" else _signal_rank(args)
 
 
 # --- from the notebook (the login node) ---
+
+
+def _step_env() -> dict[str, str]:
+    """This environment without the site's GPU request for steps (``SLURM_GPUS_PER_NODE``): a step
+    into a job that asked for no GPUs must ask for none, and one that did gets the job's anyway."""
+    return {k: v for k, v in os.environ.items() if k != "SLURM_GPUS_PER_NODE"}
 
 
 def _overlap(job: Job, *command: str) -> list[str]:
@@ -167,7 +235,7 @@ def rank_pids(job: Job, expected: int | None = None, timeout: float = 60) -> dic
     while True:
         out = subprocess.run(
             _overlap(job, sys.executable, "-m", "distlab.faults", "pids", "--job", str(job.id)),
-            capture_output=True, text=True, timeout=timeout,
+            capture_output=True, text=True, timeout=timeout, env=_step_env(),
         )  # fmt: skip
         if out.returncode:
             raise RuntimeError(f"srun --overlap into job {job.id} failed: {out.stderr.strip()}")
@@ -184,6 +252,27 @@ def rank_pids(job: Job, expected: int | None = None, timeout: float = 60) -> dic
         time.sleep(0.5)
 
 
+def kill_node(job: Job, node: str | None = None, sig: str = "KILL", after_iteration: int = 0) -> str:
+    """Once the log shows ``after_iteration`` (at once without it), signal every process of ``job``
+    on ``node`` (default: the job's last node), as the node's loss would end them: its ``torchrun``
+    agent and that agent's workers at once. Returns the line of what was killed. The first node runs
+    the batch script (and here the rendezvous store): losing it ends the job whatever torchrun does."""
+    wait_for_state(job, {"RUNNING"})
+    if node is None:
+        listed = subprocess.run(["scontrol", "show", "hostnames", refresh(job).nodes], capture_output=True,
+                                text=True, check=True)  # fmt: skip
+        node = listed.stdout.split()[-1]
+    out = subprocess.run(
+        ["srun", f"--jobid={job.id}", "--overlap", "-N1", "-n1", f"--nodelist={node}", "--cpus-per-task=1",
+         sys.executable, "-m", "distlab.faults", "kill-node", "--job", str(job.id), "--signal", sig,
+         "--after-iteration", str(after_iteration), "--log", str(job.log_path)],
+        capture_output=True, text=True, timeout=600, env=_step_env(),
+    )  # fmt: skip
+    if out.returncode:
+        raise RuntimeError(f"srun --overlap into job {job.id} on {node} failed: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
 def inject(job: Job, rank: int, sig: str = "KILL", after_iteration: int = 0) -> subprocess.Popen:
     """Start a step in ``job`` that sends ``sig`` to ``rank`` once the log shows ``after_iteration``
     (every rank runs by then; without it, at once); returns it running (``.communicate()`` gives the
@@ -193,7 +282,9 @@ def inject(job: Job, rank: int, sig: str = "KILL", after_iteration: int = 0) -> 
            "--signal", sig]  # fmt: skip
     if after_iteration:
         cmd += ["--after-iteration", str(after_iteration), "--log", str(job.log_path)]
-    return subprocess.Popen(_overlap(job, *cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        _overlap(job, *cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_step_env()
+    )
 
 
 def wait_for_state(job: Job, states: set[str], timeout: float = 300, reason: str | None = None) -> Job:

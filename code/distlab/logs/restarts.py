@@ -11,7 +11,9 @@ attempt says about where it started (``distlab.gpt.checkpointing.resume_line``):
     > restart 1 of torchrun's --max-restarts 1: resuming from iteration 80, ...  torchrun restarted it
     > restart 1 of torchrun's --max-restarts 1: no checkpoint in D yet, ...      ... from scratch
 
-and about its end: ``exiting program after receiving SIGUSR1 at iteration 68``
+its layout (``using world size: W, data-parallel-size: DP, ...`` and ``> global batch size B = micro
+batch b x data-parallel DP x accumulation steps m``: an elastic restart on fewer nodes changes W,
+DP and m, never B), and about its end: ``exiting program after receiving SIGUSR1 at iteration 68``
 (``distlab.logs.formats.EXIT_SIGNAL``). Saves: ``distlab.logs.formats.SAVED``.
 """
 
@@ -22,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from distlab.checks import FIXME, check
-from distlab.logs.formats import EXIT_SIGNAL, HANG, ITERATION, SAVED
+from distlab.logs.formats import BANNER, BATCH, EXIT_SIGNAL, HANG, ITERATION, SAVED
 from distlab.logs.megatron import split_runs
 
 #: Where an attempt started: group "restart" (torchrun's count) and "iteration" (None: from scratch).
@@ -44,6 +46,9 @@ class Attempt:
     saved: list[int] = field(default_factory=list)  # iterations checkpointed
     save_ms: list[float] = field(default_factory=list)  # each save's total time
     exit_signal: int | None = None  # the iteration it stopped at on --exit-signal
+    world_size: int = 0  # its layout (the banner; 0 when it died before printing it) ...
+    dp: int = 0  # ... data-parallel size ...
+    accumulation: int = 0  # ... and micro-batches per rank per iteration (global = micro x dp x this)
 
     @property
     def last(self) -> int:
@@ -64,6 +69,9 @@ def attempts(text: str) -> list[Attempt]:
             attempt.save_ms.append(save["total_ms"])
         stop = EXIT_SIGNAL.search(run)
         attempt.exit_signal = stop["iteration"] if stop else None
+        layout, batch = BANNER.search(run) or {}, BATCH.search(run) or {}
+        attempt.world_size, attempt.dp = layout.get("world_size", 0), layout.get("dp", 0)
+        attempt.accumulation = batch.get("accumulation", 0)
         found.append(attempt)
     return found
 
