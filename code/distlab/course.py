@@ -159,7 +159,7 @@ def gpt_notebook(notebook: str, *, prepare: bool = True) -> GPTNotebook:
     if missing (``prepare=False``: notebook 04, whose learner runs the two commands in a cell)."""
     if notebook not in SIZES:
         raise ValueError(f"no GPT notebook {notebook!r}: choose one of {sorted(SIZES)}")
-    profile = site.profile_env()
+    profile = site.profile_env(site.current())  # keyed by name: profile_env() caches its None
     backend = profile["LAB_BACKEND"]
     size = SIZES[notebook][0 if backend == "nccl" else 1]
     lab = GPTNotebook(
