@@ -61,6 +61,7 @@ def private_cluster(folder: Path, prepare: Callable[[ClusterPaths], object] = la
     paths = ClusterPaths(root=folder, port_base=free_base())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LAB_CLUSTER_DIR", str(paths.root))
+        mp.delenv("LAB_CLUSTER_PORT", raising=False)  # its own ports: read from its folder, not another's
         try:
             prepare(paths)
             daemons.start(paths)
