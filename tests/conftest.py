@@ -11,10 +11,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from distlab import REPO_ROOT
-from distlab.distributed import DistContext, free_port, init_distributed, shutdown, torchrun_env
+from distlab.distributed import DistContext, free_port, init_distributed, shutdown, spawn_ranks, torchrun_env
 
 
 def cluster_available() -> bool:
@@ -65,19 +64,6 @@ TINY_GPT_ARGV = (
     "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
     "--eval-interval 3 --eval-iters 1 --distributed-backend gloo"
 ).split()
-
-
-#: What the fork server imports once, so that no spawned rank pays for it again (torch alone takes
-#: seconds of a core; ``torch._dynamo`` is imported by the first ``torch.optim`` optimizer).
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlab.distributed"]
-mp.set_forkserver_preload(FORKSERVER_PRELOAD)
-
-
-def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
-    """``mp.spawn`` from the fork server: ``fn(i, *args)`` for i < ``nprocs``, each in a fresh
-    process forked from one that has imported :data:`FORKSERVER_PRELOAD` and computed nothing
-    (so no thread pool is copied); a process that raises fails the call with its traceback."""
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def run_gloo(fn: Callable[..., None], world: int, *args, timeout_s: float = 60) -> None:

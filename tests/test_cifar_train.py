@@ -19,8 +19,8 @@ import torch
 from distlab import REPO_ROOT
 from distlab.cifar import data, engine
 from distlab.cifar.model import ModelSpec, build_model
-from distlab.distributed import free_port, torchrun_env
-from tests.conftest import gloo_group, spawn_ranks
+from distlab.distributed import free_port, spawn_ranks, torchrun_env
+from tests.conftest import gloo_group
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPT = REPO_ROOT / "code" / "train_cifar.py"

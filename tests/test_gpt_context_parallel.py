@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from distlab.checks import ExerciseError
-from distlab.distributed import free_port
+from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.context_parallel import Ring, describe, pair_work, ring_attention, split_sequence
 from distlab.gpt.layout import Layout
@@ -128,7 +127,7 @@ def runs(tmp_path_factory) -> Path:
         argv = [*MODEL, *data, "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
                 "--pipeline-model-parallel-size", str(pp)]  # fmt: skip
         plan.append((name, world, argv, free_port()))
-    mp.spawn(_worker, args=(plan, str(base)), nprocs=4, join=True)
+    spawn_ranks(_worker, (plan, str(base)), 4)
     return base
 
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from distlab.distributed import free_port
+from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.local_run import prepare_data, pretrain_as_rank
 from distlab.gpt.pipeline_plot import plot_timelines
 from distlab.gpt.pipeline_timeline import load_timeline
@@ -81,7 +80,7 @@ def runs(tmp_path_factory) -> Path:
             plan.append((argv, free_port(), _name(tp, pp, dp, sched), world))
         if world == 2:
             plan.insert(0, (_argv(data, 1, 1, "1f1b"), free_port(), "reference", 1))
-        mp.spawn(_worker, args=(world, plan, str(base)), nprocs=world, join=True)
+        spawn_ranks(_worker, (world, plan, str(base)), world)
     return base
 
 

@@ -21,10 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.testing import assert_close
 
-from distlab.distributed import free_port
+from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.activation_memory import measure_block, parse
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.gradients import reduce_gradients
@@ -65,7 +64,7 @@ def runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("gpt_sp")
     data = prepare_data(base / "data", vocab_size=512, max_files=40).argv()
     plan = [(name, *where, [*MODEL, *data, *flags], free_port()) for name, (*where, flags) in RUNS.items()]
-    mp.spawn(_worker, args=(plan, str(base)), nprocs=4, join=True)
+    spawn_ranks(_worker, (plan, str(base)), 4)
     return base
 
 

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 #: Seconds a collective may wait for a missing rank before the job fails.
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_PG_TIMEOUT", "300"))
@@ -199,6 +200,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: What the fork server of :func:`spawn_ranks` imports once, so that no rank it starts pays for it
+#: again (torch alone takes seconds of a core; ``torch._dynamo`` is imported by the first
+#: ``torch.optim`` optimizer).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlab.distributed"]
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``mp.spawn`` from a fork server: ``fn(i, *args)`` for i < ``nprocs``, each in a fresh process
+    forked from one that has imported :data:`FORKSERVER_PRELOAD` and computed nothing (so no thread
+    pool is copied); a process that raises fails the call with its traceback. ``fn`` must be a
+    module-level function (it is pickled by name), as for ``mp.spawn``."""
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts (the first call)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def torchrun_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1") -> dict[str, str]:

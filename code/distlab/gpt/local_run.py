@@ -16,9 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
-from distlab.distributed import free_port, torchrun_env
+from distlab.distributed import free_port, spawn_ranks, torchrun_env
 from distlab.gpt.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from distlab.gpt.tokenizer import GPT2BPETokenizer, stdlib_docstrings, train_bpe
 
@@ -101,7 +99,7 @@ def spawn_pretrain(argv: list[str], world_size: int, out_dir: str | os.PathLike)
     """Run ``pretrain(argv)`` on ``world_size`` local ranks (gloo); raise if any rank fails."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank_main, args=(world_size, free_port(), list(argv), str(out)), nprocs=world_size, join=True)
+    spawn_ranks(_rank_main, (world_size, free_port(), list(argv), str(out)), world_size)
     return RunResult(
         [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)],
         [(out / f"rank{r}.log").read_text() for r in range(world_size)],
