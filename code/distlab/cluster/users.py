@@ -119,6 +119,9 @@ def ensure(name: str, p: ClusterPaths | None = None, checkout: Path = CHECKOUT) 
 WORKSPACE_SCRIPT = f"""set -eu
 ws=$1 checkout=$2 refresh=$3
 mkdir -p "$ws" && chmod 700 "$ws"
+# a test workspace starts clean: a fresh cluster numbers its jobs from 1 again, and a log or
+# checkpoint left by an earlier run under the same job id would pass for the new job's
+if [ "$refresh" = 1 ]; then rm -rf {" ".join(f'"$ws/{d}"' for d in (*COPIED, "runs"))}; fi
 for d in {" ".join(COPIED)}; do
     mkdir -p "$ws/$d"
     for f in "$checkout/$d"/*.ipynb; do
