@@ -185,12 +185,15 @@ def _check_limits(job: Job, timeout: float, pending_timeout: float) -> None:
 def wait(
     job: Job,
     timeout: float = 600,
-    poll: float = 1.0,
+    poll: float = 0.25,
     tail: int = 5,
     check: bool = True,
     pending_timeout: float | None = None,
 ) -> Job:
     """Wait until the job ends; raise JobFailed unless COMPLETED (when ``check``).
+
+    ``poll`` is the seconds between two looks (``scontrol show job``, about 5 ms of CPU each): a
+    notebook runs dozens of short jobs one after another, and each waits half a poll on average.
 
     ``timeout`` bounds the running time, ``pending_timeout`` (default ``$LAB_PENDING_TIMEOUT``
     or 3600 s) the time in the queue; both are counted from what this call sees.

@@ -7,6 +7,7 @@ waiting can never cure.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,13 @@ class Job:
         return [line for line in self.log().splitlines() if rx.search(line)]
 
     def tail(self, n: int = 10) -> list[str]:
-        return self.log().splitlines()[-n:]
+        """The last ``n`` lines, read from the file's last 64 KiB (a wait shows them at every poll)."""
+        if not (self.log_path and self.log_path.exists()):
+            return []
+        with self.log_path.open("rb") as f:
+            start = f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+        return lines[1 if start else 0 :][-n:]  # from inside the file: its first line is cut
 
     def error_lines(self, n: int = 15) -> list[str]:
         return [line for line in self.log().splitlines() if ERROR_PATTERN.search(line)][-n:]
