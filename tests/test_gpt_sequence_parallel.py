@@ -180,12 +180,22 @@ def _block_worker(ctx) -> None:
 
 def _check_memory() -> None:
     """Bytes autograd keeps for one block, per rank, against the estimator (within 3%: the
-    LayerNorm statistics and the attention's log-sum-exp are left out of it)."""
+    LayerNorm statistics and the attention's log-sum-exp are left out of it), split by the
+    engine's layers and by DTensor's plan."""
+    measured = {}
     for sp in (False, True):  # fp32: 4 sbh (16) / 2 with SP, 4 sbh (4 + 12 / 2) without: 20% apart
         state = ParallelState.build(Layout(2, tp=2, sequence_parallel=sp))
-        for precision, backend in (("fp32", "auto"), ("bf16", "unfused")):
-            row = measure_block(state, s=64, b=4, h=32, a=4, precision=precision, attention_backend=backend)
-            assert row["measured"] == pytest.approx(row["estimated"], rel=0.03), row
+        for impl in ("megatron", "dtensor"):
+            for precision, backend in (("fp32", "auto"), ("bf16", "unfused")):
+                row = measure_block(state, s=64, b=4, h=32, a=4, precision=precision, attention_backend=backend,
+                                    tensor_parallel_impl=impl)  # fmt: skip
+                assert row["measured"] == pytest.approx(row["estimated"], rel=0.03), (impl, row)
+                measured[impl, sp, precision] = row["measured"]
+    # DTensor's SP keeps the gathered LayerNorm outputs (2 sbh, fp32: 4 sbh (18) / 2 against (16) / 2)
+    sbh = 64 * 4 * 32
+    gathered = measured["dtensor", True, "fp32"] - measured["megatron", True, "fp32"]
+    assert gathered == pytest.approx(4 * sbh, rel=0.03), gathered
+    assert measured["dtensor", False, "fp32"] == pytest.approx(measured["megatron", False, "fp32"], rel=0.03)
 
 
 def test_one_block_collectives_gradients_and_memory() -> None:

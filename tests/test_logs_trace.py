@@ -15,8 +15,10 @@ from distlab.logs.trace import (
     REDUCE_SCATTER,
     all_reduces_per_step,
     bytes_sent_per_rank,
+    collective_bytes_per_step,
     collectives_per_step,
     load_trace,
+    memory_per_step,
     ops_per_step,
 )
 from tests.conftest import run_gloo
@@ -84,3 +86,47 @@ def test_counts_sequence_parallel_gathers_and_scatters(tmp_path):
     # one all-reduce of the (b, T, H) sum = one reduce-scatter + one all-gather of its shards
     full = bytes_sent_per_rank(ALLREDUCE, 2 * 8 * 16, 2)
     assert full == bytes_sent_per_rank(ALLGATHER, 128, 2) + bytes_sent_per_rank(REDUCE_SCATTER, 128, 2)
+
+
+def _fsdp_like_steps(ctx: DistContext, out: str) -> None:
+    """Three profiled steps (the last two traced, with memory): a bf16 all-gather of 2 x 64 values
+    and an fp32 reduce-scatter of 64; a forward that keeps h (65,536 fp32 values) for backward,
+    and a backward that allocates w's gradient (65,536 more, freed at the step's end)."""
+    w = torch.ones(65536, requires_grad=True)
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True, profile_memory=True,
+        schedule=torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(out, "rank0"),
+    )  # fmt: skip
+    with prof:
+        for _ in range(3):
+            dist.all_gather_into_tensor(
+                torch.empty(64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+            )
+            dist.all_gather_into_tensor(
+                torch.empty(64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+            )
+            dist.reduce_scatter_tensor(torch.empty(64), torch.ones(64))
+            h = w * 2  # (65536,) kept: the step's activation
+            (h * h).sum().backward()
+            w.grad = None
+            del h
+            prof.step()
+
+
+def test_collective_bytes_and_memory_per_step(tmp_path):
+    run_gloo(_fsdp_like_steps, 1, str(tmp_path))
+    trace = load_trace(tmp_path)
+    assert collective_bytes_per_step(trace) == {("all_gather", "c10::BFloat16"): 2 * 64 * 2,
+                                                ("reduce_scatter", "float"): 64 * 4}  # fmt: skip
+    rows = memory_per_step(trace)
+    assert [r["step"] for r in rows] == ["ProfilerStep#1", "ProfilerStep#2"]
+    for r in rows:  # h (and the scalar loss) at backward's start; then h * h's gradients and w's
+        assert r["backward"] == pytest.approx(4 * 65536, abs=1024), r
+        assert r["peak"] >= r["backward"] + 4 * 65536, r
+
+
+def test_memory_per_step_needs_memory_events(tmp_path):
+    run_gloo(_traced_steps, 1, str(tmp_path))
+    with pytest.raises(ValueError, match="profile_memory=True"):
+        memory_per_step(load_trace(tmp_path))

@@ -11,7 +11,9 @@ Run under a launcher with ``tp`` ranks (``srun -n 2`` or ``torchrun --nproc-per-
     python -m distlab.gpt.activation_memory --seq-lengths 128 256 512
 
 Each rank measures one block at tensor-parallel size ``tp`` with and without sequence
-parallelism, for every sequence length, and prints one line per measurement (:data:`LINE`):
+parallelism, for every sequence length, split by this engine's layers (notebook 05) or, with
+``--tensor-parallel-impl dtensor``, by DTensor's plan (``dtensor_parallel.block_plan``, notebook 08;
+a saved DTensor counts its local shard), and prints one line per measurement (:data:`LINE`):
 measured bytes, ``memory_estimate.block_bytes`` (this engine's terms) and Korthikanti's half
 precision formula, sbh (10 + 24/t + 5as/(ht)) with TP alone, sbh/t (34 + 5as/h) with SP.
 """
@@ -24,8 +26,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from distlab.distributed import init_distributed, shutdown
+from distlab.gpt.dtensor_parallel import IMPLEMENTATIONS, as_nn_linear, block_plan
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory_estimate import MemorySetup, block_bytes, korthikanti_layer_bytes
 from distlab.gpt.model import Block, GPTConfig, init_parameters
@@ -42,6 +48,11 @@ _PATTERN = re.compile(
 )
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The memory ``t`` lives in: a DTensor's is its local shard's."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+
 def _is_weight_copy(t: torch.Tensor, weights: set[int]) -> bool:
     """autocast's cast of a parameter (or its transpose, which a GEMM saves): a chain of
     ``ToCopyBackward`` / ``TBackward`` that starts at a parameter's leaf."""
@@ -49,18 +60,18 @@ def _is_weight_copy(t: torch.Tensor, weights: set[int]) -> bool:
     while fn is not None and type(fn).__name__ in ("ToCopyBackward0", "TBackward0"):
         fn = fn.next_functions[0][0]
         if type(fn).__name__ == "AccumulateGrad":
-            return fn.variable.untyped_storage().data_ptr() in weights
+            return _storage(fn.variable).data_ptr() in weights
     return False
 
 
 def saved_activation_bytes(forward: Callable[[], torch.Tensor], params: list[nn.Parameter]) -> int:
     """Bytes of the distinct storages autograd saves while ``forward()`` runs, less ``params``
     and autocast's copies of them."""
-    weights = {p.untyped_storage().data_ptr() for p in params}
+    weights = {_storage(p).data_ptr() for p in params}
     kept: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = _storage(t)
         if storage.data_ptr() not in weights and not _is_weight_copy(t, weights):
             kept[storage.data_ptr()] = storage.nbytes()
         return t
@@ -80,14 +91,23 @@ def measure_block(
     precision: str,
     attention_backend: str,
     device: torch.device | None = None,
+    tensor_parallel_impl: str = "megatron",
 ) -> dict:
-    """One block of this rank's tp shard (sequence-parallel as ``state.layout`` says): measured,
-    estimated and Korthikanti's bytes."""
+    """One block of this rank's tp shard (sequence-parallel as ``state.layout`` says), split by the
+    engine's layers or by DTensor's plan (``tensor_parallel_impl``): measured, estimated and
+    Korthikanti's bytes."""
     sp, tp = state.layout.sequence_parallel, state.tp
-    cfg = GPTConfig(1, h, a, 128, s, attention_backend=attention_backend, sequence_parallel=sp)
-    block = Block(cfg, state.tp_group if tp > 1 else None)
-    init_parameters(block, cfg, state)
+    dtensor = tensor_parallel_impl == "dtensor"
+    cfg = GPTConfig(
+        1, h, a, 128, s, attention_backend=attention_backend, sequence_parallel=sp and not dtensor
+    )
+    block = Block(cfg, state.tp_group if tp > 1 and not dtensor else None)
+    init_parameters(block, cfg, None if dtensor else state)
     block.to(device)
+    if dtensor:  # built whole, then split by the plan over a 1-D mesh of the tp ranks
+        as_nn_linear(block)
+        mesh = init_device_mesh((device or torch.device("cpu")).type, (tp,), mesh_dim_names=("tp",))
+        parallelize_module(block, mesh, block_plan("", sequence_parallel=sp))
     x = torch.randn(
         b, s // tp if sp else s, h, device=device, requires_grad=True
     )  # (b, T, H), or (b, T/tp, H) with SP
@@ -99,7 +119,7 @@ def measure_block(
             return block(x)
 
     setup = MemorySetup(1, h, a, s, 128, b, precision=precision, attention_backend=attention_backend, tp=tp,
-                        sequence_parallel=sp)  # fmt: skip
+                        sequence_parallel=sp, tensor_parallel_impl=tensor_parallel_impl)  # fmt: skip
     return dict(rank=state.rank, tp=tp, sp=sp, s=s, b=b, h=h, a=a,
                 measured=saved_activation_bytes(forward, list(block.parameters())),
                 estimated=block_bytes(setup),
@@ -147,6 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--attention-backend", default="unfused", help="unfused keeps the scores, as Korthikanti"
     )
+    parser.add_argument(
+        "--tensor-parallel-impl", choices=IMPLEMENTATIONS, default="megatron",
+        help="whose split: this engine's layers or DTensor's plan",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     ctx = init_distributed()
     try:
@@ -155,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
             for s in args.seq_lengths:
                 row = measure_block(state, s=s, b=args.micro_batch_size, h=args.hidden_size,
                                     a=args.num_attention_heads, precision=args.precision,
-                                    attention_backend=args.attention_backend, device=ctx.device)  # fmt: skip
+                                    attention_backend=args.attention_backend, device=ctx.device,
+                                    tensor_parallel_impl=args.tensor_parallel_impl)  # fmt: skip
                 print(LINE.format(**row), flush=True)
     finally:
         shutdown()

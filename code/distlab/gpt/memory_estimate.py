@@ -47,6 +47,11 @@ term is divided by t::
     autocast fp16/bf16     sbh (36) / t         sbh (36 + 6 as/h) / t
 
 as Korthikanti's sbh (10 + 24/t + 5as/(ht)) with tp alone becomes sbh/t (34 + 5as/h) with SP.
+PyTorch's DTensor plan (``--tensor-parallel-impl dtensor``, ``dtensor_parallel.py``) gathers the
+LayerNorm output once, before qkv and fc1, and autograd keeps that gathered DTensor for their weight
+gradients: the 2 sbh of LN outputs stay whole (fp32 with SP at t = 2: 4 sbh (18) against Megatron's
+4 sbh (16)), for 2 fewer all-gathers per block in backward. Its embeddings and output layer are
+whole on every tp rank (no vocab-parallel split), and so is the loss head.
 A checkpointed group's input (full recomputation) and the final LayerNorm's input and output
 are T / t of the sequence as well.
 
@@ -163,11 +168,17 @@ class MemorySetup:
     """Expert-model-parallel size: each rank holds E / ep experts per layer."""
     sequence_parallel: bool = False
     """``--sequence-parallel``: activations outside the tp GEMMs split along s over tp."""
+    tensor_parallel_impl: str = "megatron"
+    """``--tensor-parallel-impl``: "dtensor" keeps the gathered LN outputs and the vocabulary whole."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
                 "sequence parallelism needs tp > 1, got tp 1: drop sequence_parallel or raise tp"
+            )
+        if self.tensor_parallel_impl not in ("megatron", "dtensor"):
+            raise ValueError(
+                f"tensor_parallel_impl {self.tensor_parallel_impl!r} must be megatron or dtensor"
             )
         if self.precision not in ("fp32", *_HALF):
             raise ValueError(f"precision {self.precision!r} must be fp32, fp16 or bf16")
@@ -227,6 +238,7 @@ class MemorySetup:
             num_experts=args.num_experts,
             ep=layout.ep,
             sequence_parallel=layout.sequence_parallel,
+            tensor_parallel_impl=args.tensor_parallel_impl,
         )
 
 
@@ -242,8 +254,13 @@ def stage_parameters(c: MemorySetup) -> int:
     layer = split // c.tp + 6 * h  # + two LayerNorms (4h), proj and fc2 biases (2h), replicated
     if c.num_experts is not None:  # the MLP's 8h^2 + 5h -> router E h + E / ep experts (tp = 1)
         layer += c.num_experts * h + (c.num_experts // c.ep - 1) * (8 * h * h + 5 * h)
-    n = (c.num_layers // c.pp) * layer + c.vocab_size * h // c.tp + c.seq_length * h
+    n = (c.num_layers // c.pp) * layer + c.vocab_size * h // _vocab_split(c) + c.seq_length * h
     return n + (2 * h if c.pp == 1 else 0)
+
+
+def _vocab_split(c: MemorySetup) -> int:
+    """Ranks the embedding and the logits are split over: tp (Megatron's vocab-parallel), or 1 (DTensor's plan)."""
+    return 1 if c.tensor_parallel_impl == "dtensor" else c.tp
 
 
 def korthikanti_layer_bytes(
@@ -285,8 +302,10 @@ def scores_bytes(c: MemorySetup) -> float:
 def block_bytes(c: MemorySetup) -> float:
     """One block's stored activations without recomputation (see the module docstring)."""
     per_value = 2 if c.precision in _HALF else 4
-    residual, whole, split = 2, 2, 12  # fp32 LN inputs; LN outputs (/ t with SP); split by tp
-    outside = _outside_sbh(c) * (4 * residual + per_value * whole)
+    residual, whole, split = 2, 2, 12  # fp32 LN inputs; LN outputs (/ t with Megatron's SP); split by tp
+    # DTensor's plan keeps the LN outputs gathered for qkv's and fc1's weight gradients
+    ln_out = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)
+    outside = _outside_sbh(c) * 4 * residual + ln_out * per_value * whole
     return outside + _sbh(c) * per_value * split / c.tp + scores_bytes(c)
 
 
@@ -336,8 +355,9 @@ def recompute_extra_bytes(c: MemorySetup) -> float:
 
 def head_bytes(c: MemorySetup) -> float:
     """Loss head: final LN in/out (2 sbh fp32, / t with SP) and three b s V fp32 tensors at its backward."""
-    bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / c.tp
-    return 4 * (2 * _outside_sbh(c) + 3 * bsv)
+    bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / _vocab_split(c)
+    ln_f = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)  # DTensor gathers before ln_f
+    return 4 * (2 * ln_f + 3 * bsv)
 
 
 def activation_bytes(c: MemorySetup) -> float:

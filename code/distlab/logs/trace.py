@@ -27,11 +27,18 @@ column-parallel GEMM, ``g-bar`` after each row-parallel one), and in backward 2 
 again for each column-parallel weight gradient). An all-gather or a reduce-scatter sends
 (t - 1)/t of the full tensor per rank, an all-reduce twice that: 8 halves in place of 4 all-reduces,
 plus the 2 re-gathers that save keeping the gathered input alive (:func:`bytes_sent_per_rank`).
+
+:func:`collective_bytes_per_step` adds up, by kind and dtype, the whole tensor each all-gather
+builds and each reduce-scatter reduces (FSDP2's ``_base_`` forms: under ``MixedPrecisionPolicy
+(bf16, fp32)`` the all-gathers carry bf16, the reduce-scatters fp32). :func:`memory_per_step`
+reads the allocator's ``[memory]`` events (``profile_memory=True``): what is allocated when the
+step's backward starts and at its peak, above what was allocated when the step began.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -91,6 +98,54 @@ def collectives_per_step(trace: dict) -> dict[tuple[str, str], float]:
         if e.get("name") in COLLECTIVES and any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps):
             counts[COLLECTIVES[e["name"]]] += 1
     return {key: n / len(steps) for key, n in sorted(counts.items())}
+
+
+#: A profiler ``Input type`` -> bytes per element.
+_ELEMENT_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
+
+
+def collective_bytes_per_step(trace: dict) -> dict[tuple[str, str], float]:
+    """``{(kind, dtype): bytes per step}`` of the c10d all-gathers and reduce-scatters on one
+    tensor (``_allgather_base_`` / ``_reduce_scatter_base_``, FSDP2 over a 1-D mesh): the size of
+    the whole tensor (the larger of output and input), mean over the traced steps."""
+    events = trace["traceEvents"]
+    steps = _step_spans(events)
+    ops = {"c10d::_allgather_base_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter"}
+    total: Counter = Counter()
+    for e in events:
+        if e.get("name") not in ops or not any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps):
+            continue
+        dims, dtype = e["args"]["Input Dims"][:2], e["args"]["Input type"][0]
+        numel = max(math.prod(d) for d in dims)  # (output, input): the whole tensor is the larger
+        total[ops[e["name"]], dtype] += numel * _ELEMENT_BYTES[dtype]
+    return {key: n / len(steps) for key, n in sorted(total.items())}
+
+
+def memory_per_step(trace: dict, device_type: int | None = None) -> list[dict]:
+    """Per traced step ``{step, backward, peak}``: bytes allocated (the profiler's ``[memory]``
+    events of ``device_type``: 0 CPU, 1 CUDA; default CUDA when the trace has it, else CPU) when
+    the step's first ``autograd::engine`` operator starts, and at the step's peak, both above what
+    was allocated when the step began."""
+    events = trace["traceEvents"]
+    memory = [e for e in events if e.get("name") == "[memory]"]
+    if not memory:
+        raise ValueError("no [memory] events in this trace: it was not profiled with profile_memory=True")
+    if device_type is None:
+        device_type = 1 if any(e["args"].get("Device Type") == 1 for e in memory) else 0
+    memory = sorted((e for e in memory if e["args"].get("Device Type") == device_type), key=lambda e: e["ts"])
+    backward = sorted(
+        e["ts"] for e in events if e.get("ph") == "X" and e["name"].startswith("autograd::engine")
+    )
+    rows = []
+    for s in sorted(_step_spans(events), key=lambda e: e["ts"]):
+        end = s["ts"] + s["dur"]
+        inside = [e for e in memory if s["ts"] <= e["ts"] <= end]
+        start = inside[0]["args"]["Total Allocated"] - inside[0]["args"]["Bytes"]  # before the first event
+        bw = next(t for t in backward if s["ts"] <= t <= end)
+        at_bw = [e["args"]["Total Allocated"] for e in inside if e["ts"] <= bw][-1]
+        peak = max(e["args"]["Total Allocated"] for e in inside)
+        rows.append({"step": s["name"], "backward": at_bw - start, "peak": peak - start})
+    return rows
 
 
 def all_reduces_per_step(trace: dict) -> list[dict]:
