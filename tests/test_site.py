@@ -19,9 +19,9 @@ def sites(tmp_path, monkeypatch):
     for name in ("job-env.sh", "local.sh", "example-gpu.sh"):
         shutil.copy(REPO_ROOT / "sites" / name, folder / name)
     monkeypatch.setattr(site, "SITES_DIR", folder)
-    site.profile_env.cache_clear()
+    site._profile_env.cache_clear()
     yield folder
-    site.profile_env.cache_clear()
+    site._profile_env.cache_clear()
 
 
 def test_every_shipped_profile_sets_what_the_scripts_need(sites):
@@ -30,6 +30,13 @@ def test_every_shipped_profile_sets_what_the_scripts_need(sites):
         assert all(env[key] for key in site.REQUIRED), name
         assert env["LAB_CIFAR_SOURCE"] in ("generate", "download")
     assert site.profile_env("example-gpu")["LAB_BACKEND"] == "nccl"
+
+
+def test_an_unnamed_call_follows_lab_site(sites, monkeypatch):
+    monkeypatch.setenv("LAB_SITE", "local")
+    assert site.profile_env()["LAB_BACKEND"] == "gloo"
+    monkeypatch.setenv("LAB_SITE", "example-gpu")  # set later in the same process (a notebook cell)
+    assert site.profile_env()["LAB_BACKEND"] == "nccl"
 
 
 def test_missing_variable_is_named_with_the_file(sites):

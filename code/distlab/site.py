@@ -27,10 +27,16 @@ def current() -> str:
     return os.environ.get("LAB_SITE", "local")
 
 
-@functools.cache
 def profile_env(name: str | None = None) -> dict[str, str]:
-    """The variables that sourcing ``sites/<name>.sh`` sets or changes (with ``LAB_ROOT``)."""
-    name = name or current()
+    """The variables that sourcing ``sites/<name>.sh`` sets or changes (with ``LAB_ROOT``).
+
+    Without a name, the site is ``$LAB_SITE`` at the time of the call (a later change is seen).
+    """
+    return _profile_env(name or current())
+
+
+@functools.cache
+def _profile_env(name: str) -> dict[str, str]:
     path = SITES_DIR / f"{name}.sh"
     if not path.is_file():
         known = sorted(p.stem for p in SITES_DIR.glob("*.sh") if p.stem != "job-env")
