@@ -16,6 +16,14 @@ from distlab import REPO_ROOT
 from distlab.distributed import DistContext, free_port, init_distributed, shutdown, spawn_ranks, torchrun_env
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "mostly_waits: spends its time waiting (on its own Slurm cluster, JupyterHub or JupyterLab, or on "
+        "Slurm's timers), not computing; ./lab test runs these beside the other tests",
+    )
+
+
 def cluster_available() -> bool:
     if shutil.which("sinfo") is None:
         return False

@@ -15,7 +15,7 @@ from distlab.cluster import ClusterPaths, cgroups, daemons, process
 from distlab.distributed import free_port
 from tests.conftest import cluster_available
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.mostly_waits]
 
 
 def private_paths(root: Path) -> ClusterPaths:

@@ -22,7 +22,7 @@ from tests.test_cluster_users import private_cluster, slurm, state, wait_until
 
 shared, checkout = users_test.shared, users_test.checkout  # the same fixtures
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.mostly_waits]
 PLAN = workshop.Plan(2, prefix="isotest", instructor="isoteach")
 ONE, TWO = PLAN.names
 SLEEP = ("sbatch", "--parsable", "--job-name=sleeper", "--output=/dev/null", "--wrap=sleep 300")

@@ -17,7 +17,7 @@ from distlab.cluster.config import node_memory_mb
 from distlab.slurm_job import JobError, JobFailed
 from tests.test_cluster import private_paths
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.mostly_waits]
 
 
 @pytest.fixture(scope="module")

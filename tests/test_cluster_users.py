@@ -27,7 +27,7 @@ import pytest
 from distlab.cluster import ClusterPaths, accounting, config, daemons, process, users
 from distlab.distributed import free_port
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.mostly_waits]
 NAMES = ("labtest1", "labtest2")
 REFUSED = r"Access/permission denied|Invalid user id"  # scancel's words; scontrol's for another's job
 PENDING_OR_RUNNING = ("PENDING", "RUNNING")
@@ -120,7 +120,7 @@ def wait_until(ok, timeout: float) -> None:
     while not ok():
         if time.monotonic() > deadline:
             raise AssertionError(f"not reached within {timeout} s")
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def sleeper(paths: ClusterPaths, user: users.Learner) -> str:

@@ -94,6 +94,7 @@ def test_sbatch_error_is_shown(slurm_cluster, tmp_path):
         jobs.submit(script)
 
 
+@pytest.mark.mostly_waits  # up to 30 s for Slurm's time-limit check
 def test_timed_out_job_is_reported_as_timeout(slurm_cluster, tmp_path):
     """A job that reaches its time limit ends TIMEOUT, reported with Slurm's line and its own.
 

@@ -20,7 +20,7 @@ import pytest
 
 from distlab.distributed import free_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.mostly_waits]
 
 
 def get(url: str, token: str | None = None, timeout: float = 90) -> tuple[int, str]:

@@ -28,6 +28,7 @@ from tests import test_cluster_users as users_test
 
 shared = users_test.shared  # a folder of /tmp open to all
 PLAN_NAMES = ("hubtest01", "hubtest02", "hubteach")
+pytestmark = pytest.mark.mostly_waits
 
 
 def test_a_class_that_does_not_fit_is_refused_with_the_numbers():

@@ -65,14 +65,14 @@ def log_tail(log: Path, lines: int = 10) -> str:
 def wait_for(
     what: str, ok: Callable[[], bool], timeout: float, log: Path, server: subprocess.Popen | None = None
 ) -> None:
-    """Poll ``ok`` every 0.5 s; after ``timeout``, or once ``server`` exits, raise with ``log``'s tail."""
+    """Poll ``ok`` every 0.1 s; after ``timeout``, or once ``server`` exits, raise with ``log``'s tail."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ok():
             return
         if server is not None and server.poll() is not None:
             raise ClusterError(f"{what} exited ({server.returncode}) while starting; {log_tail(log)}")
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise ClusterError(f"{what} did not come up within {timeout:.0f} s; {log_tail(log)}")
 
 
@@ -83,7 +83,7 @@ def terminate(pid_file: Path, name: str, timeout: float = 15) -> None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and alive(pid_file, name):
-            time.sleep(0.2)
+            time.sleep(0.05)
         if alive(pid_file, name):
             os.kill(pid, signal.SIGKILL)
     pid_file.unlink(missing_ok=True)
