@@ -12,7 +12,9 @@ import pytest
 
 from distlab import jobs
 
-pytestmark = pytest.mark.timeout(240)
+# Slurm's behaviour with jobs that sleep, hold or pend: little CPU, much waiting (up to 30 s for
+# Slurm's time-limit check in one test)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.mostly_waits]
 
 
 def write_job(folder: Path, name: str, body: str, *sbatch: str) -> Path:
@@ -94,7 +96,6 @@ def test_sbatch_error_is_shown(slurm_cluster, tmp_path):
         jobs.submit(script)
 
 
-@pytest.mark.mostly_waits  # up to 30 s for Slurm's time-limit check
 def test_timed_out_job_is_reported_as_timeout(slurm_cluster, tmp_path):
     """A job that reaches its time limit ends TIMEOUT, reported with Slurm's line and its own.
 
