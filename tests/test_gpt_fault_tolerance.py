@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from distlab import REPO_ROOT, faults
+from distlab import REPO_ROOT, fault_agent, faults
 from distlab.checks import ExerciseError
 from distlab.distributed import free_port, torchrun_env
 from distlab.gpt.arguments import parse_args, validate_args
@@ -290,10 +290,10 @@ def test_young_daly_interval_minimises_the_lost_time():
 
 def test_a_rank_is_the_process_that_runs_the_script_not_its_launcher():
     py, script = "/venv/bin/python3", "/lab/code/pretrain_gpt.py"
-    assert faults.runs_script([py, "-u", script, "--num-layers", "2"])  # torchrun's worker, srun's task
-    assert not faults.runs_script([py, "/venv/bin/torchrun", "--nnodes=2", script])  # the agent names it
-    assert not faults.runs_script([py, "-m", "torch.distributed.run", script])
-    assert not faults.runs_script([py, "-c", "import x", script]) and not faults.runs_script([py])
+    assert fault_agent.runs_script([py, "-u", script, "--num-layers", "2"])  # torchrun's worker, srun's task
+    assert not fault_agent.runs_script([py, "/venv/bin/torchrun", "--nnodes=2", script])  # the agent names it
+    assert not fault_agent.runs_script([py, "-m", "torch.distributed.run", script])
+    assert not fault_agent.runs_script([py, "-c", "import x", script]) and not fault_agent.runs_script([py])
 
 
 def test_kill_node_kills_every_process_of_the_job_but_its_own_step(tmp_path, monkeypatch, capsys):
@@ -306,10 +306,10 @@ def test_kill_node_kills_every_process_of_the_job_but_its_own_step(tmp_path, mon
     own = subprocess.Popen(sleep)
     try:
         rows = [(agent.pid, "0"), (rank.pid, "0"), (own.pid, "1")]
-        monkeypatch.setattr(faults, "job_pids", lambda job: rows)
+        monkeypatch.setattr(fault_agent, "job_pids", lambda job: rows)
         monkeypatch.setenv("SLURM_STEP_ID", "1")
         time.sleep(0.5)  # the rank's environment is readable once it runs
-        assert faults.main(["kill-node", "--job", "7"]) == 0
+        assert fault_agent.main(["kill-node", "--job", "7"]) == 0
         assert agent.wait(timeout=10) == rank.wait(timeout=10) == -signal.SIGKILL
         assert own.poll() is None
         line = capsys.readouterr().out
@@ -323,8 +323,8 @@ def test_kill_node_kills_every_process_of_the_job_but_its_own_step(tmp_path, mon
 
 
 def test_the_nodes_side_of_faults_starts_without_torch() -> None:
-    """``python -m distlab.faults`` runs on the nodes between two iterations of the run it signals:
+    """``python -m distlab.fault_agent`` runs on the nodes between two iterations of the run it signals:
     importing torch there (2 s or more on a loaded node) lets a short run end before its kill."""
-    code = "import sys, distlab.faults; print('torch' in sys.modules)"
+    code = "import sys, distlab.fault_agent; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out

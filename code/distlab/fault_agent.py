@@ -1,0 +1,180 @@
+"""The faults' agent, run on the nodes of a job by ``srun --jobid=J --overlap`` (``distlab.faults``
+starts it): it finds the job's processes on its node (``scontrol listpids J``), picks the training
+process of a rank (``RANK`` in its environment, as torchrun sets it, else Slurm's ``SLURM_PROCID``)
+and signals it, or every process of the job on the node (a node lost)::
+
+    srun --jobid=J --overlap -N2 --ntasks-per-node=1 python -m distlab.fault_agent pids
+    srun --jobid=J --overlap -N2 --ntasks-per-node=1 python -m distlab.fault_agent signal --rank 3 \\
+        --signal KILL --after-iteration 80 --log jobs/x.out
+    srun --jobid=J --overlap -N1 --nodelist=node2 python -m distlab.fault_agent kill-node --signal KILL
+
+``signal`` waits until the job's log (on the shared file system) shows iteration 80, then sends the
+signal; the node that does not hold the rank prints nothing. It imports neither torch nor the
+course's other modules: it starts between two iterations of the run it signals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: The last iteration line of a log (``distlab.logs.formats.ITERATION``'s start).
+_ITERATION = re.compile(r"^ iteration\s+(\d+)/", re.M)
+SCRIPT = "pretrain_gpt.py"
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+
+
+def runs_script(cmdline: list[str], script: str = SCRIPT) -> bool:
+    """Whether a command line runs ``script`` itself (``python [-u] .../pretrain_gpt.py ...``),
+    not a launcher that names it (``torchrun ... pretrain_gpt.py``, ``python -m torch.distributed.run``)."""
+    for arg in cmdline[1:]:  # the interpreter's options, then the program it runs
+        if arg in ("-m", "-c"):
+            return False
+        if not arg.startswith("-"):
+            return Path(arg).name == script
+    return False
+
+
+def job_pids(job_id: str) -> list[tuple[int, str]]:
+    """This node's processes of job ``job_id``: (pid, step id), from ``scontrol listpids``."""
+    out = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True, check=True)
+    rows = [line.split() for line in out.stdout.splitlines()[1:]]  # PID JOBID STEPID LOCALID GLOBALID
+    return [(int(row[0]), row[2]) for row in rows]
+
+
+def node_ranks(job_id: str, script: str = SCRIPT) -> dict[int, int]:
+    """This node's training processes of job ``job_id``: rank -> pid."""
+    ranks = {}
+    for pid, _ in job_pids(job_id):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
+            if not runs_script(cmdline, script):
+                continue
+            env = _environ(pid)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # ended meanwhile
+        rank = env.get("RANK", env.get("SLURM_PROCID"))
+        if rank is not None:
+            ranks[int(rank)] = pid
+    return ranks
+
+
+def last_iteration(text: str) -> int:
+    """The last iteration a log shows (0 before the first)."""
+    found = _ITERATION.findall(text)
+    return int(found[-1]) if found else 0
+
+
+def _wait_for_log(args: argparse.Namespace) -> bool:
+    """Wait until ``--log`` shows ``--after-iteration`` (at once without it); False after ``--timeout``."""
+    deadline = time.monotonic() + args.timeout
+    if args.after_iteration:
+        log = Path(args.log)
+        while not (log.exists() and last_iteration(log.read_text(errors="replace")) >= args.after_iteration):
+            if time.monotonic() > deadline:
+                print(
+                    f"{socket.gethostname()}: no iteration {args.after_iteration} in {log} after {args.timeout} s"
+                )
+                return False
+            time.sleep(0.02)
+    return True
+
+
+def _after(args: argparse.Namespace) -> str:
+    """' after iteration N was logged', read now (empty without ``--log``)."""
+    return (
+        f" after iteration {last_iteration(Path(args.log).read_text(errors='replace'))} was logged"
+        if args.log
+        else ""
+    )
+
+
+def _signal_rank(args: argparse.Namespace) -> int:
+    """Wait for ``--after-iteration`` in ``--log``, then signal ``--rank`` if it runs here."""
+    if not _wait_for_log(args):
+        return 1
+    pid = node_ranks(args.job, args.script).get(args.rank)
+    if pid is None:
+        return 0  # another node's rank
+    after = _after(args)
+    os.kill(pid, signal.Signals["SIG" + args.signal])
+    print(f"{socket.gethostname()}: kill -{args.signal} {pid} (rank {args.rank}){after}", flush=True)
+    return 0
+
+
+def _describe(pid: int, script: str) -> str:
+    """'rank 3' for a training process, else its program ('torchrun', 'torch.distributed.run', 'python3')."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
+    if runs_script(cmdline, script):
+        env = _environ(pid)
+        return f"rank {env.get('RANK', env.get('SLURM_PROCID', '?'))}"
+    for i, arg in enumerate(cmdline[1:], start=1):  # the interpreter's options, then its program
+        if arg in ("-m", "-c"):
+            return cmdline[i + 1] if arg == "-m" else Path(cmdline[0]).name
+        if arg and not arg.startswith("-"):
+            return Path(arg).name
+    return Path(cmdline[0]).name
+
+
+def _kill_node(args: argparse.Namespace) -> int:
+    """Wait for ``--after-iteration`` in ``--log``, then signal every process of the job on this node
+    but this step's own: what a node's loss ends."""
+    if not _wait_for_log(args):
+        return 1
+    after, own = _after(args), os.environ.get("SLURM_STEP_ID")
+    victims = {}
+    for pid, step in job_pids(args.job):
+        try:
+            if step != own:
+                victims[pid] = _describe(pid, args.script)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # ended meanwhile
+    # the agents first: a launcher that outlives its workers by a moment would start to restart them
+    for pid in sorted(victims, key=lambda p: victims[p].startswith("rank")):
+        try:
+            os.kill(pid, signal.Signals["SIG" + args.signal])
+        except ProcessLookupError:
+            pass
+    killed = ", ".join(f"{pid} ({what})" for pid, what in victims.items())
+    print(f"{socket.gethostname()}: kill -{args.signal} {killed}{after}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m distlab.fault_agent", description=__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("pids", help="print 'node rank pid' for this node's training processes of the job")
+    sig = sub.add_parser("signal", help="signal one rank of the job (on the node that runs it)")
+    sig.add_argument("--rank", type=int, required=True)
+    node = sub.add_parser("kill-node", help="signal all of the job's processes on this node (a node lost)")
+    for p in (sig, node):
+        p.add_argument("--signal", default="KILL", help="KILL, STOP, CONT, TERM, USR1, ...")
+        p.add_argument("--after-iteration", type=int, default=0, help="wait until the log shows it")
+        p.add_argument("--log", help="the job's output file (the iteration lines)")
+        p.add_argument("--timeout", type=float, default=300.0)
+    for p in sub.choices.values():
+        p.add_argument("--job", default=os.environ.get("SLURM_JOB_ID"), help="default: $SLURM_JOB_ID")
+        p.add_argument("--script", default=SCRIPT, help="the training script's name in the command line")
+    args = parser.parse_args(argv)
+    if args.command == "pids":
+        for rank, pid in sorted(node_ranks(args.job, args.script).items()):
+            print(f"{socket.gethostname()} {rank} {pid}", flush=True)
+        return 0
+    return _kill_node(args) if args.command == "kill-node" else _signal_rank(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
