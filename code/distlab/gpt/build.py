@@ -36,6 +36,7 @@ from distlab.gpt import checkpointer, checkpointing, deepspeed_config, deepspeed
 from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
 from distlab.gpt.context_parallel import describe as describe_cp
 from distlab.gpt.context_parallel import ring_of
+from distlab.gpt.flops import flops_line
 from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
 from distlab.gpt.layout import Layout
@@ -149,7 +150,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         print_on(rank0, describe_cp(args.seq_length, ring_of(state)))
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
     vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
-    print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab))
+    print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab), flops_line(args, vocab))
     datasets = _build_datasets(args, rank0)
     cap = cap_device_memory(args.device_memory_gib, device)
     print_on(rank0 and cap is not None, cap)
