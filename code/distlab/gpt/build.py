@@ -51,6 +51,7 @@ from distlab.gpt.pipeline_timeline import PipelineTimeline
 from distlab.gpt.pp_communications import P2PSpec
 from distlab.gpt.precision import Precision
 from distlab.gpt.recompute import granularity_of
+from distlab.gpt.rng_tracker import model_parallel_manual_seed
 from distlab.gpt.tensor_parallel import pad_vocab_size, vocab_padding_message
 from distlab.gpt.tokenizer import GPT2BPETokenizer
 from distlab.gpt.training import LocalBackend, forward_backward, micro_batches, train_step
@@ -303,9 +304,10 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
 
 def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
     """This rank's stage and tensor-parallel shard of the GPT (whole with DTensor TP: split later)."""
-    # dropout; the weights come from init_parameters. With SP each tp rank drops out its own
-    # positions: its own stream (Megatron's model-parallel RNG), not tp copies of one mask
-    torch.manual_seed(args.seed + 100 * state.pp_rank + (state.tp_rank if args.sequence_parallel else 0))
+    # dropout; the weights come from init_parameters. Megatron's two streams (rng_tracker.py):
+    # the default one alike on the tp ranks, the model-parallel one (+ 2718 + tp_rank) for what
+    # each tp rank holds alone (its heads; with SP its positions)
+    model_parallel_manual_seed(args.seed + 100 * state.pp_rank, state.tp_rank)
     cfg = GPTConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

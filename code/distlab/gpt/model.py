@@ -44,6 +44,12 @@ probabilities); ``--recompute-granularity selective`` checkpoints the core atten
 block, ``full`` checkpoints groups of whole blocks (:func:`~distlab.gpt.recompute.checkpoint_groups`).
 Every choice computes the same loss.
 
+Dropout (``rng_tracker.py``, Megatron's two random streams): what the tp ranks hold alike (the
+(b, T, H) hidden states after ``g``, the embeddings' output) is dropped out with the default
+stream, the same mask on every tp rank; what each holds alone (its heads' attention
+probabilities; with SP its T / tp positions: the whole block and the embeddings' dropout) with
+the model-parallel stream. Recomputation replays both.
+
 Initialisation (:func:`init_parameters`, the only one): every unsharded tensor is drawn from a
 generator seeded by ``(--seed, the parameter's global name)`` and cut with
 ``tensor_parallel.shard`` along its ``partition_dim``. Every layout starts from the same weights.
@@ -58,12 +64,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from distlab.gpt.context_parallel import Ring, positions, ring_attention, ring_of
 from distlab.gpt.moe import MoEConfig, MoELayer, attach_aux_loss
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.recompute import ATTENTION_BACKENDS, EXPLICIT_BACKENDS, checkpoint_groups, recompute_errors
+from distlab.gpt.rng_tracker import checkpoint, fork_if
 from distlab.gpt.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -161,7 +167,7 @@ class SelfAttention(nn.Module):
         # n/tp heads: as many as the output holds (DTensor's ColwiseParallel shards an unsharded layer)
         q, k, v = qkv.view(b, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
-            y = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+            y = checkpoint(self.core_attention, q, k, v)  # replays both random streams
         else:
             y = self.core_attention(q, k, v)
         y = y.transpose(1, 2).flatten(2)  # (b, T, H/tp)
@@ -212,13 +218,20 @@ class Block(nn.Module):
             ep_group = state.ep_group if ep > 1 else None
             self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, ep_group=ep_group, ep=ep, ep_rank=ep_rank)
         self.drop = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+        #: The residual stream is this rank's T / tp positions (SP, this engine's or DTensor's,
+        #: which sets it): its dropout draws from the model-parallel stream, as Megatron forks the
+        #: whole block under SP. Else the hidden dropout after g draws from the default stream,
+        #: the same mask on every tp rank, as the (b, T, H) it drops out is.
+        self.sequence_parallel = cfg.sequence_parallel
         if cfg.sequence_parallel:
             for p in (*self.ln1.parameters(), *self.ln2.parameters()):
                 mark_sequence_parallel(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, T, H) -> (b, T, H); T/tp with SP
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        with fork_if(self.sequence_parallel and self.dropout and self.training):
+            x = x + self.drop(self.attn(self.ln1(x)))
+            return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class GPTModel(nn.Module):
@@ -309,13 +322,17 @@ class GPTModel(nn.Module):
             else:
                 first = self.sp_rank * h.shape[1]  # SP: my positions start at tp_rank x T/tp
                 pos = torch.arange(first, first + h.shape[1], device=tokens.device)
-            h = self.drop(h + self.wpe(pos))  # (b, T, H) or (b, T/tp, H)
+            # SP: this rank's T/tp positions, from the model-parallel stream (Megatron drops out
+            # after the scatter); else (b, T, H), alike on the tp ranks, from the default stream
+            sharded = self.cfg.sequence_parallel and self.cfg.hidden_dropout > 0 and self.training
+            with fork_if(sharded):
+                h = self.drop(h + self.wpe(pos))  # (b, T, H) or (b, T/tp, H)
         else:
             h = self.input_tensor
         blocks = list(self.layers.values())[chunk * self.per_chunk : (chunk + 1) * self.per_chunk]
         for first, end, checkpointed in self.groups:  # full recomputation: keep each group's input only
             if checkpointed and self.training:
-                h = checkpoint(_run_blocks, blocks[first:end], h, use_reentrant=False)
+                h = checkpoint(_run_blocks, blocks[first:end], h)  # replays both random streams
             else:
                 h = _run_blocks(blocks[first:end], h)
         if not (self.is_last and chunk == self.chunks - 1):
