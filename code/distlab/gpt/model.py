@@ -179,9 +179,10 @@ class SelfAttention(nn.Module):
         if self.ring is not None:
             return ring_attention(q, k, v, self.ring)
         p = self.dropout if self.training else 0.0
-        if self.explicit:
-            return unfused_attention(q, k, v, p)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # stores no scores
+        with fork_if(p > 0):  # this rank's heads: masks from the model-parallel stream (Megatron's)
+            if self.explicit:
+                return unfused_attention(q, k, v, p)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # stores no scores
 
 
 class MLP(nn.Module):
