@@ -82,6 +82,8 @@ CASES = [  # (notebook, right answers, one wrong answer, context)
         {},
     ),
     ("03_cifar_ddp", {"indices_per_rank": 4, "images_seen_twice": None}, {"indices_per_rank": 3}, {}),
+    ("03_cifar_ddp", {"indices_per_rank": 4, "images_seen_twice": None}, {"images_seen_twice": [0, 1]}, {}),
+    ("03_cifar_ddp", {"indices_per_rank": 4, "images_seen_twice": None}, {"images_seen_twice": 2}, {}),
     (
         "03_cifar_ddp",
         {
