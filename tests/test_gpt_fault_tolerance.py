@@ -351,7 +351,9 @@ def test_multi_node_torchrun_lines_name_their_rendezvous():
     """PyTorch's documentation asks multi-node runs for a --rdzv-id shared by the nodes and unique to
     the job: every line of every notebook's batch scripts with a c10d endpoint sets the job's id, and
     so do the launch lines in the entry scripts' docstrings."""
-    books = sorted((REPO_ROOT / "notebooks").glob("*.ipynb")) + sorted((REPO_ROOT / "solutions").glob("*.ipynb"))
+    books = sorted((REPO_ROOT / "notebooks").glob("*.ipynb")) + sorted(
+        (REPO_ROOT / "solutions").glob("*.ipynb")
+    )
     lines = [
         (p.name, line)
         for p in books
