@@ -5,8 +5,8 @@ Runs ``code/pretrain_gpt.py`` under ``torchrun --standalone --nproc-per-node=1``
 tokens) in bf16, then prints:
 
 * tokens/s and MFU, medians of the logged intervals after the first (warm-up) one. MFU = model
-  FLOPs per second (Megatron's formula, ``distlab.gpt.log``) / the device's dense bf16 peak
-  (``distlab.gpt.flops.PEAK_TFLOPS``; 989 TFLOP/s for an H100 SXM; target: at least 50%);
+  FLOPs per second (Megatron's formula, ``distlab.gpt.training.log``) / the device's dense bf16 peak
+  (``distlab.gpt.training.flops.PEAK_TFLOPS``; 989 TFLOP/s for an H100 SXM; target: at least 50%);
 * the engine's per-rank memory report after the first iteration, whose peak is
   ``torch.cuda.max_memory_allocated``;
 * the profiler trace of two steps (``--profile-execution True``) as TensorBoard's PyTorch Profiler
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from distlab import REPO_ROOT
-from distlab.gpt.local_run import prepare_data
+from distlab.gpt.tools.local_run import prepare_data
 
 FIELD = r"{}: ([\d.]+)"
 

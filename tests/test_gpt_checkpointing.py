@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from distlab.distributed import DistContext
-from distlab.gpt import checkpointing
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.layout import Layout
-from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

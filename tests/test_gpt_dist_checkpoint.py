@@ -20,13 +20,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distlab.distributed import DistContext
-from distlab.gpt import checkpointing, dist_checkpointing
 from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
+from distlab.gpt.checkpointing import checkpointing, dist_checkpointing
 from distlab.gpt.layout import Layout
-from distlab.gpt.local_run import RunResult, prepare_data, spawn_pretrain
-from distlab.gpt.model import GPTConfig, GPTModel
-from distlab.gpt.optimizer import build_optimizer
+from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tools.local_run import RunResult, prepare_data, spawn_pretrain
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.logs.formats import SAVED
 from tests.conftest import run_gloo
 from tests.test_gpt_training import TINY

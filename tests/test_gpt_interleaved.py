@@ -21,7 +21,7 @@ from torch.testing import assert_close
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.layout import Layout
-from distlab.gpt.memory_estimate import (
+from distlab.gpt.memory.memory_estimate import (
     MemorySetup,
     activation_bytes,
     chunk_layers_bytes,
@@ -29,13 +29,13 @@ from distlab.gpt.memory_estimate import (
     estimate,
     stage_layers_bytes,
 )
-from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.pipeline_interleaved import Round, interleaved_order, p2p_plan
-from distlab.gpt.pipeline_parallel import PipelineForwardBackward
-from distlab.gpt.pipeline_timeline import PipelineTimeline
-from distlab.gpt.pp_communications import P2PSpec
-from distlab.gpt.training import LocalBackend, forward_backward, reduce_loss, train_step
+from distlab.gpt.pipeline_parallel.interleaved import Round, interleaved_order, p2p_plan
+from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
+from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
+from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
+from distlab.gpt.training.training import LocalBackend, forward_backward, reduce_loss, train_step
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

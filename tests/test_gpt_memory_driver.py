@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from distlab.distributed import free_port
-from distlab.gpt.local_run import prepare_data, pretrain_as_rank, spawn_pretrain
-from distlab.gpt.memory import MiB, PeakMeter, cap_device_memory, out_of_memory_message
+from distlab.gpt.memory.meters import MiB, PeakMeter, cap_device_memory, out_of_memory_message
+from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank, spawn_pretrain
 from distlab.logs.memory import prediction
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,16 +19,16 @@ from torch.profiler import ProfilerActivity, profile
 
 from distlab.gpt.arguments import PretrainArgs, _recompute_errors
 from distlab.gpt.layout import Layout
-from distlab.gpt.memory_estimate import (
+from distlab.gpt.memory.memory_estimate import (
     MemorySetup,
     activation_bytes,
     estimate,
     scores_bytes,
     stage_layers_bytes,
 )
-from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.recompute import checkpoint_groups, recompute_errors
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.recompute import checkpoint_groups, recompute_errors
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

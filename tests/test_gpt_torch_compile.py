@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.logs.formats import COMPILE
 from tests.test_gpt_training import TINY
 

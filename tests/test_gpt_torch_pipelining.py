@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from distlab.distributed import DistContext
-from distlab.gpt import torch_pipelining
-from distlab.gpt.model import GPTConfig, GPTModel
+from distlab.gpt.native import torch_pipelining
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(240)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
-from distlab.gpt.log import StepProfiler
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.training.log import StepProfiler
 from distlab.profiling.plots import plot_breakdown, plot_memory, plot_top_operators
 from distlab.profiling.traces import GROUPS, find_traces, load_run
 from tests.test_gpt_training import TINY

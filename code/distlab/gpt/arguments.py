@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from distlab.distributed import pick_backend
-from distlab.gpt import deepspeed_config
-from distlab.gpt.fault_handling import SIGNALS
+from distlab.gpt.deepspeed import config as deepspeed_config
 from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
-from distlab.gpt.moe import config_errors, placement_errors
-from distlab.gpt.pipeline_parallel import check_schedule
-from distlab.gpt.recompute import granularity_of, recompute_errors
+from distlab.gpt.moe.moe_layer import config_errors, placement_errors
+from distlab.gpt.pipeline_parallel.schedules import check_schedule
+from distlab.gpt.training.fault_handling import SIGNALS
+from distlab.gpt.transformer.recompute import granularity_of, recompute_errors
 
 
 class ArgumentError(ValueError):

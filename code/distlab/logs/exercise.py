@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlab.checks import FIXME, check
-from distlab.gpt.pipeline_timeline import load_timeline, theoretical_bubble
+from distlab.gpt.pipeline_parallel.timeline import load_timeline, theoretical_bubble
 from distlab.logs.formats import CONTEXT_PARALLEL
 from distlab.logs.megatron import banner_line, batch_arithmetic, layout_and_completion, parse_banner
 from distlab.logs.memory import prediction

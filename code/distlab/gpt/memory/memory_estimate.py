@@ -1,0 +1,432 @@
+"""Predict a rank's peak memory before running: model states plus activations.
+
+Notation: L layers, h hidden, a heads, s sequence, b micro batch, V padded vocabulary,
+P parameters on this rank, tp / pp / dp / cp the parallel sizes, M micro-batches per step.
+
+**Model states** (bytes per parameter; ZeRO, Rajbhandari et al. 2020, with K the optimizer's)::
+
+    precision              parameters  gradients  optimizer (Adam)
+    fp32                   4           4          8   (exp_avg + exp_avg_sq)
+    mixed (Megatron / DS)  2           2          12  (fp32 master + exp_avg + exp_avg_sq)
+    this engine, fp16/bf16 4 (+2)      4          8   (fp32 weights; autocast's half copies
+                                                       of the weights live through fwd/bwd)
+
+ZeRO stage 1 divides the optimizer state by dp, stage 2 also the gradients, stage 3 also the
+parameters; offload moves the optimizer state (stage 3: also the parameters) to the CPU.
+
+**Activations per layer** (Korthikanti et al. 2022) in half precision, with dropout and the
+attention scores stored::
+
+    s b h (34 + 5 a s / h) bytes  = attention 11 sbh + 5 a s^2 b, MLP 19 sbh, 2 LayerNorms 4 sbh
+
+This course's GPT has no dropout (dropout 0). In units of s b h values (t = tp), one block keeps::
+
+    residual stream (LN1 and LN2 inputs), always fp32                          2
+    LN1 and LN2 outputs (qkv and fc1 inputs), whole on every tp rank           2
+    q k v 3, attention output = proj input 1, GeLU input 4, fc2 input 4       12 / t
+    --attention-backend unfused|local only: the softmax probabilities,
+      a s / h (the b a s^2 / t scores), fp32 and, under autocast, a half copy   a s / (h t)
+
+PyTorch's fused attention (``--attention-backend auto|flash|fused``) keeps no scores, only its
+output, which is the projection's input, and a log-sum-exp of b a s / t values (not counted).
+So a block keeps, in bytes::
+
+                         fused attention      explicit attention
+    fp32                 4 sbh (16)           4 sbh (16 + as/h)
+    autocast fp16/bf16     sbh (36)             sbh (36 + 6 as/h)     (the residual stream stays fp32)
+
+against Korthikanti's sbh (34 + 5as/h), which has half residuals, dropout masks and a half softmax.
+
+**Sequence parallelism** (``--sequence-parallel``, tp > 1) splits what stayed whole along the
+sequence: the residual stream (2 sbh, fp32) and the LayerNorm outputs (2 sbh: the column-parallel
+GEMM keeps only its T / t shard and gathers it again in backward) become 2 sbh / t each, so every
+term is divided by t::
+
+                         fused attention      explicit attention
+    fp32                 4 sbh (16) / t       4 sbh (16 + as/h) / t
+    autocast fp16/bf16     sbh (36) / t         sbh (36 + 6 as/h) / t
+
+as Korthikanti's sbh (10 + 24/t + 5as/(ht)) with tp alone becomes sbh/t (34 + 5as/h) with SP.
+PyTorch's DTensor plan (``--tensor-parallel-impl dtensor``, ``dtensor_parallel.py``) gathers the
+LayerNorm output once, before qkv and fc1, and autograd keeps that gathered DTensor for their weight
+gradients: the 2 sbh of LN outputs stay whole (fp32 with SP at t = 2: 4 sbh (18) against Megatron's
+4 sbh (16)), for 2 fewer all-gathers per block in backward. Its embeddings and output layer are
+whole on every tp rank (no vocab-parallel split), and so is the loss head.
+A checkpointed group's input (full recomputation) and the final LayerNorm's input and output
+are T / t of the sequence as well.
+
+**Recomputation** (``recompute.py``, Megatron's flags), per block and micro-batch::
+
+    none                     the block, as above
+    selective                the block less its core attention's scores: 4 sbh (16) in fp32
+                             with either backend (fused attention had no scores to drop); one
+                             block's scores are rebuilt at a time in backward
+    full uniform N           each group of N blocks keeps its input, 4 sbh bytes (fp32); the
+                             group being rebuilt in backward holds its N blocks
+    full block N             the stage's first N blocks keep their input, 4 sbh bytes each, the
+                             other L / pp - N the block as above; one block rebuilt at a time
+
+The loss head keeps the fp32 log-softmax (b s V) and needs two more b s V fp32 tensors in its
+backward, which ends before any block is rebuilt: the peak adds the larger of the two.
+
+**Mixture of experts** (``--num-experts E``, tp = pp = 1): each block's MLP (8 h^2 + 5 h) becomes
+a router (E h) and this rank's E / ep experts, (E / ep)(8 h^2 + 5 h): expert parameters, their
+gradients and optimizer state divide by ep. Activations are counted as the dense MLP's (the k
+routed copies of each token are not in the estimate).
+
+**Context parallelism** (``context_parallel.py``): a rank holds s / cp tokens of every sample,
+so every activation above counts s / cp instead of s, the loss head included: activation memory
+per rank falls as 1 / cp. Ring attention stores no scores (it recomputes them per block in
+backward, like fused attention), only q, k, v, its output and a log-sum-exp; the K/V blocks in
+flight and one block pair's (b, a/t, s/(2cp), s/(2cp)) scores are transient and not counted.
+Gradients are all-reduced over dp x cp through one flat copy.
+
+**Pipelines**: a stage holds L / pp layers; the first stage keeps the activations of
+min(pp, M) micro-batches under 1F1B, of all M under GPipe.
+
+**Interleaved 1F1B** (v = ``vp`` chunks of L / (pp v) layers per rank, ``pipeline_interleaved.py``):
+the first stage runs W = 2 (pp - 1) + (v - 1) pp warm-up chunk-forwards, then one more forward
+before its first backward, so at its peak it holds min(W + 1, v M) chunk-activations of
+L / (pp v) layers each. In units of one micro-batch through the whole stage (L / pp layers)::
+
+    (W + 1) / v = (2 pp - 1 + (v - 1) pp) / v = pp (1 + (pp - 1) / (pp v))
+
+pp micro-batches' activations times (1 + (pp - 1)/(pp v)), Megatron-LM's figure (Narayanan et
+al. 2021): interleaving costs the first stage (pp - 1)/v more stage-activations than 1F1B's pp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from distlab.gpt.transformer.recompute import (
+    ATTENTION_BACKENDS,
+    EXPLICIT_BACKENDS,
+    checkpoint_groups,
+    granularity_of,
+    recompute_errors,
+)
+from distlab.logs.formats import PREDICTION
+
+if TYPE_CHECKING:
+    from distlab.gpt.arguments import PretrainArgs
+    from distlab.gpt.layout import Layout
+
+MiB = 2**20
+_HALF = ("fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class MemorySetup:
+    """A model shape and how it is trained: everything the estimate depends on."""
+
+    num_layers: int
+    """L, blocks in the whole model."""
+    hidden_size: int
+    """h."""
+    num_attention_heads: int
+    """a."""
+    seq_length: int
+    """s."""
+    vocab_size: int
+    """V, the padded vocabulary."""
+    micro_batch_size: int
+    """b."""
+    precision: str = "fp32"
+    """fp32, fp16 or bf16 (autocast over fp32 weights, as ``pretrain_gpt.py`` runs)."""
+    recompute_granularity: str | None = None
+    """None, "selective" or "full" (``--recompute-granularity``; ``--recompute-activations`` is selective)."""
+    recompute_method: str | None = None
+    """With full: "uniform" or "block"."""
+    recompute_num_layers: int | None = None
+    """N, with full."""
+    attention_backend: str = "auto"
+    """``--attention-backend``: unfused and local store the scores, the others do not."""
+    num_micro_batches: int = 1
+    """M, gradient-accumulation steps (micro-batches per step on this rank)."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    """Context parallelism: s / cp tokens of every sample on this rank."""
+    pipeline_schedule: str = "1f1b"
+    vp: int = 1
+    """v, model chunks per pipeline rank (interleaved 1F1B when > 1)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (0: plain data parallelism, DDP)."""
+    offload: bool = False
+    """DeepSpeed offload of the optimizer state (stage 3: and parameters) to the CPU; with
+    ``fsdp2``, FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state)."""
+    fsdp2: bool = False
+    """PyTorch FSDP2 (``--use-torch-fsdp2``): fp32 states sharded over dp as ZeRO-3, plus the
+    parameters gathered for compute (``gathered_bytes``)."""
+    fsdp2_reshard_after_forward: bool = True
+    num_experts: int | None = None
+    """E, experts per MoE layer (None: dense MLPs)."""
+    ep: int = 1
+    """Expert-model-parallel size: each rank holds E / ep experts per layer."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``: activations outside the tp GEMMs split along s over tp."""
+    tensor_parallel_impl: str = "megatron"
+    """``--tensor-parallel-impl``: "dtensor" keeps the gathered LN outputs and the vocabulary whole."""
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "sequence parallelism needs tp > 1, got tp 1: drop sequence_parallel or raise tp"
+            )
+        if self.tensor_parallel_impl not in ("megatron", "dtensor"):
+            raise ValueError(
+                f"tensor_parallel_impl {self.tensor_parallel_impl!r} must be megatron or dtensor"
+            )
+        if self.precision not in ("fp32", *_HALF):
+            raise ValueError(f"precision {self.precision!r} must be fp32, fp16 or bf16")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage {self.zero_stage} must be 0, 1, 2 or 3")
+        if self.num_layers % (self.pp * self.vp) or self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"layers {self.num_layers} must divide by pp {self.pp} x vp {self.vp} and hidden "
+                f"{self.hidden_size} by heads {self.num_attention_heads}"
+            )
+        if self.cp > 1 and self.seq_length % (2 * self.cp):
+            raise ValueError(f"sequence {self.seq_length} must divide by 2 x cp {self.cp}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention backend {self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
+            )
+        errors = recompute_errors(
+            self.recompute_granularity,
+            self.recompute_method,
+            self.recompute_num_layers,
+            self.num_layers // (self.pp * self.vp),
+        )
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @classmethod
+    def from_run(
+        cls, args: PretrainArgs, layout: Layout, vocab_size: int, deepspeed_config: dict | None = None
+    ) -> MemorySetup:
+        """The setup of a validated run: its arguments, layout (sizes, b, m at the final global
+        batch), padded vocabulary and DeepSpeed config (ZeRO stage, offload), if any."""
+        zero = (deepspeed_config or {}).get("zero_optimization", {})
+        return cls(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            seq_length=args.seq_length,
+            vocab_size=vocab_size,
+            micro_batch_size=layout.micro_batch_size,
+            precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+            recompute_granularity=granularity_of(args.recompute_activations, args.recompute_granularity),
+            recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers,
+            attention_backend=args.attention_backend,
+            num_micro_batches=layout.num_micro_batches,
+            tp=layout.tp,
+            pp=layout.pp,
+            dp=layout.dp,
+            cp=layout.cp,
+            pipeline_schedule=args.pipeline_schedule,
+            vp=layout.vp,
+            zero_stage=zero.get("stage", 0),
+            offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
+            or (args.use_torch_fsdp2 and args.torch_fsdp2_cpu_offload),
+            fsdp2=args.use_torch_fsdp2,
+            fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
+            num_experts=args.num_experts,
+            ep=layout.ep,
+            sequence_parallel=layout.sequence_parallel,
+            tensor_parallel_impl=args.tensor_parallel_impl,
+        )
+
+
+def num_parameters(L: int, h: int, V: int, s: int) -> int:
+    """Parameters of the whole GPT: 12 L h^2 (1 + 13/(12h) + (V+s)/(12 L h)) + 2h (final LN)."""
+    return L * (12 * h * h + 13 * h) + (V + s) * h + 2 * h
+
+
+def stage_parameters(c: MemorySetup) -> int:
+    """Parameters on the first pipeline stage's rank (it holds the embeddings): matrices / tp."""
+    h = c.hidden_size
+    split = 12 * h * h + 7 * h  # qkv, proj, fc1, fc2 weights; qkv (3h) and fc1 (4h) biases
+    layer = split // c.tp + 6 * h  # + two LayerNorms (4h), proj and fc2 biases (2h), replicated
+    if c.num_experts is not None:  # the MLP's 8h^2 + 5h -> router E h + E / ep experts (tp = 1)
+        layer += c.num_experts * h + (c.num_experts // c.ep - 1) * (8 * h * h + 5 * h)
+    n = (c.num_layers // c.pp) * layer + c.vocab_size * h // _vocab_split(c) + c.seq_length * h
+    return n + (2 * h if c.pp == 1 else 0)
+
+
+def _vocab_split(c: MemorySetup) -> int:
+    """Ranks the embedding and the logits are split over: tp (Megatron's vocab-parallel), or 1 (DTensor's plan)."""
+    return 1 if c.tensor_parallel_impl == "dtensor" else c.tp
+
+
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False
+) -> float:
+    """Activations of one layer in half precision (Korthikanti et al. 2022, eq. 1, 2 and 4):
+    s b h (34 + 5 a s / h) without tp, s b h (10 + 24/t + 5 a s / (h t)) with t-way tp, and
+    s b h / t (34 + 5 a s / h) with tp and sequence parallelism."""
+    if sequence_parallel:
+        return s * b * h / tp * (34 + 5 * a * s / h)
+    if tp == 1:
+        return s * b * h * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+
+
+def _local_seq(c: MemorySetup) -> int:
+    """Tokens of a sample on this rank: s, or s / cp with context parallelism."""
+    return c.seq_length // c.cp
+
+
+def _sbh(c: MemorySetup) -> int:
+    return _local_seq(c) * c.micro_batch_size * c.hidden_size
+
+
+def _outside_sbh(c: MemorySetup) -> float:
+    """s b h values of a tensor outside the tp GEMMs on one rank: / t with sequence parallelism."""
+    return _sbh(c) / c.tp if c.sequence_parallel else _sbh(c)
+
+
+def scores_bytes(c: MemorySetup) -> float:
+    """The softmax probabilities the explicit attention keeps, b (a / t) s^2 values: fp32, plus
+    their half copy under autocast; 0 with fused attention and with ring attention (cp > 1)."""
+    if c.attention_backend not in EXPLICIT_BACKENDS or c.cp > 1:
+        return 0.0
+    per_value = 4 + (2 if c.precision in _HALF else 0)
+    return per_value * c.micro_batch_size * c.num_attention_heads * c.seq_length**2 / c.tp
+
+
+def block_bytes(c: MemorySetup) -> float:
+    """One block's stored activations without recomputation (see the module docstring)."""
+    per_value = 2 if c.precision in _HALF else 4
+    residual, whole, split = 2, 2, 12  # fp32 LN inputs; LN outputs (/ t with Megatron's SP); split by tp
+    # DTensor's plan keeps the LN outputs gathered for qkv's and fc1's weight gradients
+    ln_out = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)
+    outside = _outside_sbh(c) * 4 * residual + ln_out * per_value * whole
+    return outside + _sbh(c) * per_value * split / c.tp + scores_bytes(c)
+
+
+def _groups(c: MemorySetup) -> list[tuple[int, int, bool]]:
+    n = c.num_layers // (c.pp * c.vp)  # recomputation groups are per model chunk
+    return checkpoint_groups(n, c.recompute_granularity, c.recompute_method, c.recompute_num_layers)
+
+
+def chunk_layers_bytes(c: MemorySetup) -> float:
+    """One model chunk's (L / (pp v) blocks) stored activations for one micro-batch, by
+    recomputation mode; with v = 1 the chunk is the stage."""
+    if c.recompute_granularity == "selective":
+        return (c.num_layers // (c.pp * c.vp)) * (block_bytes(c) - scores_bytes(c))
+    kept = [
+        4 * _outside_sbh(c) if ckpt else (end - first) * block_bytes(c) for first, end, ckpt in _groups(c)
+    ]
+    return sum(kept)  # a checkpointed group keeps its fp32 input only
+
+
+def stage_layers_bytes(c: MemorySetup) -> float:
+    """The stage's blocks' (all its chunks') stored activations for one micro-batch."""
+    return c.vp * chunk_layers_bytes(c)
+
+
+def chunks_in_flight(c: MemorySetup) -> int:
+    """Chunk-forwards (micro-batch, chunk) whose activations the first stage holds at its peak:
+    1 without a pipeline, M under GPipe, min(pp, M) under 1F1B, min(W + 1, v M) interleaved."""
+    m = c.num_micro_batches
+    if c.pp == 1:
+        return 1
+    if c.pipeline_schedule == "gpipe":
+        return m
+    if c.vp == 1:
+        return min(c.pp, m)
+    warmup = 2 * (c.pp - 1) + (c.vp - 1) * c.pp
+    return min(warmup + 1, c.vp * m)
+
+
+def recompute_extra_bytes(c: MemorySetup) -> float:
+    """What backward rebuilds at once: the largest checkpointed group's blocks less its stored
+    input (full), one block's scores (selective), nothing without recomputation."""
+    if c.recompute_granularity == "selective":
+        return scores_bytes(c)
+    rebuilt = [end - first for first, end, ckpt in _groups(c) if ckpt]
+    return max(rebuilt) * block_bytes(c) - 4 * _outside_sbh(c) if rebuilt else 0.0
+
+
+def head_bytes(c: MemorySetup) -> float:
+    """Loss head: final LN in/out (2 sbh fp32, / t with SP) and three b s V fp32 tensors at its backward."""
+    bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / _vocab_split(c)
+    ln_f = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)  # DTensor gathers before ln_f
+    return 4 * (2 * ln_f + 3 * bsv)
+
+
+def activation_bytes(c: MemorySetup) -> float:
+    """Peak activations on the first stage (with pp = 1 also the last: it adds the head)."""
+    layers = chunk_layers_bytes(c) * chunks_in_flight(c)
+    head = head_bytes(c) if c.pp == 1 else 0.0
+    return layers + max(head, recompute_extra_bytes(c))  # the head's backward ends before a rebuild
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes on one rank, by kind, and the peak they add up to."""
+
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    half_weight_copies: float
+    """Weights alive only for compute: autocast's half copies, or FSDP2's gathered parameters."""
+    activations: float
+
+    def peak(self, first_iteration: bool = False, accumulating: bool = False) -> float:
+        """max(forward/backward, optimizer step). The step holds every model state; in
+        forward/backward the optimizer state exists from the second iteration on, gradients
+        from the second micro-batch on (accumulation) and not at all before the first."""
+        step = self.parameters + self.gradients + self.optimizer_state
+        fwd_bwd = self.parameters + self.half_weight_copies + self.activations
+        fwd_bwd += 0 if first_iteration else self.optimizer_state
+        fwd_bwd += self.gradients if accumulating else 0
+        return max(step, fwd_bwd)
+
+
+def _zero_shards(c: MemorySetup, stage: int) -> int:
+    """Ranks a model state is split over: dp from the ZeRO stage that shards it on, else 1."""
+    return c.dp if c.zero_stage >= stage else 1
+
+
+def fsdp2_gathered_bytes(c: MemorySetup) -> float:
+    """FSDP2's unsharded parameters during compute, in the parameters' dtype (bf16 with --bf16):
+    the root (embeddings, final LayerNorm: never resharded) and one block, or with
+    ``reshard_after_forward`` False every block (gathered once, kept to backward)."""
+    h = c.hidden_size
+    block = 12 * h * h + 13 * h
+    root = stage_parameters(c) - c.num_layers * block
+    blocks = c.num_layers if not c.fsdp2_reshard_after_forward else 1
+    return (root + blocks * block) * (2 if c.precision in _HALF else 4)
+
+
+def estimate(c: MemorySetup) -> MemoryEstimate:
+    """Model states (per precision mode, ZeRO stage, offload) and activations of one rank."""
+    n = stage_parameters(c)
+    if c.fsdp2:  # fp32 states sharded over dp; bf16 compute through MixedPrecisionPolicy, no autocast
+        shards = 0.0 if c.offload else n * 16 / c.dp  # parameters 4 + gradients 4 + Adam 8, / dp
+        return MemoryEstimate(shards * 4 / 16, shards * 4 / 16, shards * 8 / 16, fsdp2_gathered_bytes(c),
+                              activation_bytes(c))  # fmt: skip
+    deepspeed_mixed = c.zero_stage > 0 and c.precision in _HALF
+    p_bytes, g_bytes, k = (2, 2, 12) if deepspeed_mixed else (4, 4, 8)
+    params = n * p_bytes / _zero_shards(c, 3)
+    grads = n * g_bytes / _zero_shards(c, 2)
+    optim = 0.0 if c.offload else n * k / _zero_shards(c, 1)
+    if c.offload and c.zero_stage == 3:
+        params = 0.0
+    if c.zero_stage == 0 and c.dp * c.cp > 1:
+        grads *= 2  # the all-reduce's flat buffer (DDP's buckets) holds a second copy of the gradients
+    copies = 2 * n if c.precision in _HALF and not deepspeed_mixed else 0.0
+    return MemoryEstimate(params, grads, optim, copies, activation_bytes(c))
+
+
+def format_prediction(predicted: float, measured: float, how: str) -> str:
+    """The line printed after the first iteration: predicted vs measured bytes, in MiB
+    (``distlab.logs.formats.PREDICTION``)."""
+    error = 100.0 * (measured - predicted) / predicted
+    return PREDICTION.format(predicted=predicted / MiB, measured=measured / MiB, how=how, error=error)
