@@ -33,7 +33,12 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
-from distlab.logs.exercise import check_long_sequence_run
+from distlab.logs.exercise import (
+    check_long_sequence_run,
+    long_sequence_budget,
+    long_sequence_predictions,
+    long_sequence_run,
+)
 from distlab.logs.formats import ITERATION, PREDICTION
 from tests.conftest import assert_same_training, run_gloo
 
@@ -97,6 +102,9 @@ def test_balanced_split_gives_every_rank_the_same_work() -> None:
     assert [sum(row) for row in contiguous] == [2.0, 6.0, 10.0, 14.0]  # 1 + 3 + 5 + 7 = 16 + 16 total
     assert sum(map(sum, balanced)) == sum(map(sum, contiguous)) == 32.0  # (2cp)^2 / 2: half the scores
     assert contiguous[0][1:] == [0.0, 0.0, 0.0]  # rank 0 waits for the others after its first step
+    for cp in (2, 3, 4, 8):  # contiguous: rank i does 4i + 2 pairs, the last (2cp - 1) times rank 0's
+        per_rank = [sum(row) for row in pair_work(cp, False)]
+        assert per_rank == [4.0 * i + 2 for i in range(cp)] and per_rank[-1] / per_rank[0] == 2 * cp - 1
 
 
 # --- the whole GPT ---------------------------------------------------------------------------
@@ -181,15 +189,22 @@ def test_predicted_activation_memory_falls_as_one_over_cp() -> None:
 
 
 # --- notebook 09's exercise check ---------------------------------------------------------------
-def _long_run_log(tp: int, cp: int, predicted: float, last_it: int = 2, seq: int = 2048) -> str:
-    world = 4
+LOCAL_MODEL = "--num-layers 4 --hidden-size 64 --num-attention-heads 4"
+GPU_MODEL = "--num-layers 8 --hidden-size 1024 --num-attention-heads 16"  # notebook 09 on a GPU site
+
+
+def _long_run_log(
+    tp: int, cp: int, predicted: float, last_it: int = 2, seq: int = 2048, world: int = 4
+) -> str:
+    gbs, ms = world // (tp * cp), 937.3
     lines = [ParallelState(Layout(world, tp=tp, cp=cp), rank=0).banner()]
     if cp > 1:
         lines.append(describe(seq, Ring(None, tuple(range(cp)), 0)))
     lines.append(PREDICTION.format(predicted=predicted, measured=predicted + 3, how="peak RSS", error=8.0))
     for it in range(1, last_it + 1):
-        lines.append(ITERATION.format(it=it, total=2, samples=it, ms=900.0, lr=1e-3, gbs=world // (tp * cp),
-                                      loss=8.0, scale=1.0, gnorm=1.0, skipped=0, nan=0))  # fmt: skip
+        lines.append(ITERATION.format(it=it, total=2, samples=it * gbs, ms=ms, lr=1e-3, gbs=gbs, loss=8.0,
+                                      scale=1.0, gnorm=1.0, skipped=0, nan=0, tokens_per_s=gbs * seq / (ms / 1000),
+                                      tflops=0.01))  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -199,13 +214,38 @@ def test_exercise_check_passes_only_a_finished_run_within_the_budget(capsys) -> 
     assert "[not yet]" in capsys.readouterr().out
     assert check_long_sequence_run(_long_run_log(1, 4, 34.5), **kw)
     assert check_long_sequence_run(_long_run_log(2, 2, 35.9), **kw)
+    assert long_sequence_run(_long_run_log(2, 1, 70.4))["seq_length"] == 2048  # cp = 1: from tokens/s
     wrong = {
         "over the budget (cp 2 x dp 2)": _long_run_log(1, 2, 66.8),
         "tp 4 crosses the node": _long_run_log(4, 1, 37.0),
         "did not finish": _long_run_log(1, 4, 34.5, last_it=1),
         "another sequence": _long_run_log(1, 4, 9.0, seq=512),
+        "cp = 1 with a shortened sequence (no context-parallel line)": _long_run_log(2, 1, 30.0, seq=1024),
+        "cp = 1, tp 2, sequence 2040": _long_run_log(2, 1, 37.0, seq=2040),
+        "no iteration line to read the sequence from": _long_run_log(1, 4, 34.5, last_it=0),
     }
     for why, log in wrong.items():
         with pytest.raises(ExerciseError):
             check_long_sequence_run(log, **kw)
             pytest.fail(why)
+
+
+def test_exercise_budget_is_the_runs_own_prediction_and_needs_cp() -> None:
+    """The budget comes from the estimate the run prints: 38 MiB for the local model (95% of tp 4's
+    39.9, the smallest peak without CP); on a GPU site's larger model (s = 32768, 2 nodes of 2, 4
+    or 8 GPUs) it also leaves some layout with CP and tp inside a node, and none without CP."""
+    local = long_sequence_predictions(LOCAL_MODEL, world_size=4, seq_length=2048)
+    assert {k: round(v, 1) for k, v in local.items() if k in ((1, 4), (2, 2), (4, 1), (2, 1))} == {
+        (1, 4): 34.5, (2, 2): 35.9, (4, 1): 39.9, (2, 1): 70.4}  # fmt: skip
+    assert long_sequence_budget(local) == 38
+    for per_node in (2, 4, 8):
+        world = 2 * per_node
+        predicted = long_sequence_predictions(GPU_MODEL, world_size=world, seq_length=32768)
+        budget = long_sequence_budget(predicted)
+        fits = sorted(k for k, mib in predicted.items() if mib <= budget and k[0] <= per_node)
+        assert fits and all(cp > 1 for _, cp in fits), (world, budget, fits)
+        tp, cp = fits[0]
+        log = _long_run_log(tp, cp, predicted[tp, cp], seq=32768, world=world)
+        assert check_long_sequence_run(
+            log, world_size=world, seq_length=32768, budget_mib=budget, max_tp=per_node
+        )

@@ -143,7 +143,7 @@ def test_collectives_match_the_hand_written_f_and_g(runs) -> None:
     for rank in ranks:
         assert rank["megatron"]["block"] == {"all_reduce": 4}  # f, g around attention and MLP, fwd + bwd
         assert rank["dtensor"]["block"] == rank["megatron"]["block"]
-        assert rank["dtensor_sp"]["block"] == {"all_gather": 4, "reduce_scatter": 4}  # g-bar, g: same bytes
+        assert rank["dtensor_sp"]["block"] == {"all_gather": 4, "reduce_scatter": 4}  # g, g-bar: same bytes
     for rank in results[4]:
         assert rank["fsdp2_x_dtensor"]["block"]["all_reduce"] == 4  # TP's, beside FSDP's gathers
 

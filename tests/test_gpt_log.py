@@ -10,7 +10,13 @@ import torch
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.optimizer.optimizer import LRSchedule
-from distlab.gpt.training.flops import measure_gemm_tflops, mfu, model_flops_per_iteration
+from distlab.gpt.training.flops import (
+    counted_flops,
+    flops_line,
+    measure_gemm_tflops,
+    mfu,
+    model_flops_per_iteration,
+)
 from distlab.gpt.training.log import ITERATION_RE, StepProfiler, iteration_line, validation_lines
 
 # The line of the issue, which the notebooks grep (Megatron-LM's training_log).
@@ -67,15 +73,59 @@ def test_lr_schedule_warmup_decay_floor(style):
 
 
 def test_model_flops_formula():
-    # GPT-2 small, 1 sample of 1024 tokens: 72 s L h^2 (1 + s/6h + V/16Lh) ~ 0.89 TFLOP (6 N s + attention)
+    # GPT-2 small, 1 sample of 1024 tokens: 72 s l h^2 (1 + s/(6h) + V/(12 l h)) ~ 0.88 TFLOP (6 N s + attention)
     args = PretrainArgs(num_layers=12, hidden_size=768, seq_length=1024, global_batch_size=1)
     f = model_flops_per_iteration(args, 50304)
-    assert f == pytest.approx(72 * 1024 * 12 * 768**2 * (1 + 1024 / (6 * 768) + 50304 / (16 * 12 * 768)))
+    assert f == pytest.approx(72 * 1024 * 12 * 768**2 * (1 + 1024 / (6 * 768) + 50304 / (12 * 12 * 768)))
     assert 0.8e12 < f < 1.0e12
     args.recompute_activations = True  # selective: the scores again, not counted (Megatron's model FLOPs)
     assert model_flops_per_iteration(args, 50304) == pytest.approx(f)
-    args.recompute_activations, args.recompute_granularity = False, "full"  # every block twice forward
-    assert model_flops_per_iteration(args, 50304) == pytest.approx(f * 4 / 3)
+    args.recompute_activations, args.recompute_granularity = False, "full"  # every block twice forward,
+    args.recompute_method, args.recompute_num_layers = "uniform", 1  # the logit layer once (Narayanan 2021)
+    assert model_flops_per_iteration(args, 50304) == pytest.approx(
+        96 * 1024 * 12 * 768**2 * (1 + 1024 / (6 * 768) + 50304 / (16 * 12 * 768))
+    )
+    args.recompute_method, args.recompute_num_layers, args.pipeline_model_parallel_size = "block", 2, 2
+    r = 2 * 2  # the first 2 blocks of each of the 2 stages run twice
+    assert model_flops_per_iteration(args, 50304) == pytest.approx(
+        f + r * 24 * 1024 * 768**2 * (1 + 1024 / (6 * 768))
+    )
+    assert "s/(6h)" in flops_line(args, 50304)
+
+
+SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=4096, seq_length=64, batch=2)
+
+
+def _args(granularity=None):
+    full = granularity == "full"
+    return PretrainArgs(num_layers=2, hidden_size=64, seq_length=64, global_batch_size=2,
+                        recompute_granularity=granularity, recompute_method="uniform" if full else None,
+                        recompute_num_layers=1 if full else None)  # fmt: skip
+
+
+def test_model_flops_equal_pytorchs_flop_counter_on_the_engines_model():
+    """The formula against an independent count: torch.utils.flop_counter over a forward + backward
+    of the engine's GPT (notebook 04's shape). The old V/(16 l h) term (the full-recomputation
+    form's) and Megatron-LM's causal half s/(12h) both miss it."""
+    counted = counted_flops(**SHAPE)
+    assert model_flops_per_iteration(_args(), 4096) == counted
+    B, s, L, h, V = 2, 64, 2, 64, 4096
+    for wrong in (1 + s / (6 * h) + V / (16 * L * h), 1 + s / (12 * h) + V / (12 * L * h)):
+        assert abs(72 * B * s * L * h**2 * wrong - counted) > 0.01 * counted
+    # full recomputation: every block's forward twice, the logit layer once, as the formula counts
+    # with PyTorch's early stop off; with it (the default) the last GEMM of each group, fc2, is not rerun
+    full = counted_flops(**SHAPE, recompute_granularity="full", checkpoint_early_stop=False)
+    assert full == model_flops_per_iteration(_args("full"), 4096)
+    assert counted_flops(**SHAPE, recompute_granularity="full") == full - L * 2 * B * s * h * 4 * h
+    # selective: the scores again, counted by PyTorch but not by the model FLOPs (no more than Q K^T and
+    # the scores times V, once per layer)
+    selective = counted_flops(**SHAPE, recompute_granularity="selective")
+    assert (
+        model_flops_per_iteration(_args("selective"), 4096)
+        == counted
+        < selective
+        <= counted + L * 4 * B * s * s * h
+    )
 
 
 def test_mfu_per_device_or_over_the_shared_machine():

@@ -71,6 +71,26 @@ def test_load_balancing_loss_by_hand() -> None:
     assert float(load_balancing_loss(balanced, 1)) == pytest.approx(1.0, rel=1e-6)
 
 
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_aux_loss_and_imbalance_are_at_most_e_over_k(k: int) -> None:
+    """A token fills k different experts: f_i <= 1/k, so l_aux <= E / k and max/mean tokens <= E / k
+    (E only for top-1). The bound is reached when k experts take every token and one holds the
+    probability; random and adversarial logits never pass it."""
+    E, N = 8, 64
+    worst = torch.full((N, E), -30.0)
+    worst[:, 0], worst[:, 1:k] = 30.0, 0.0  # expert 0 certain, experts 1..k-1 the next choices
+    assert float(load_balancing_loss(worst, k)) == pytest.approx(E / k, rel=1e-3)
+    _, routing_map, _ = route(worst, k)
+    counts = routing_map.sum(0).float()
+    assert float(counts.max() / counts.mean()) == pytest.approx(E / k)
+    gen = torch.Generator().manual_seed(0)
+    for scale in (0.1, 1.0, 10.0, 100.0):
+        logits = scale * torch.randn(N, E, generator=gen) + torch.linspace(3.0, -3.0, E) * scale
+        assert float(load_balancing_loss(logits, k)) <= E / k + 1e-5
+        counts = route(logits, k)[1].sum(0).float()
+        assert float(counts.max() / counts.mean()) <= E / k + 1e-6
+
+
 def test_aux_loss_joins_the_backward_not_the_value() -> None:
     """mean(attach(loss)) backward == backward of mean(loss) + coeff sum l_aux; its value stays the lm loss."""
     torch.manual_seed(0)

@@ -54,6 +54,7 @@ from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward, des
 from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size, vocab_padding_message
 from distlab.gpt.training import log
+from distlab.gpt.training.flops import flops_line
 from distlab.gpt.training.training import LocalBackend, forward_backward, micro_batches, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.gpt.transformer.recompute import granularity_of
@@ -153,7 +154,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         print_on(rank0, describe_cp(args.seq_length, ring_of(state)))
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
     vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
-    print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab))
+    print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab), flops_line(args, vocab))
     datasets = _build_datasets(args, rank0)
     cap = cap_device_memory(args.device_memory_gib, device)
     print_on(rank0 and cap is not None, cap)

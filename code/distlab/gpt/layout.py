@@ -31,12 +31,21 @@ Experts (``ep``, Megatron's ``--expert-model-parallel-size``) are a second layou
 ranks, not a factor of the world: the ``dp`` ranks of one dense data-parallel group (dp x cp
 where context parallelism exists: :data:`EXPERT_DATA_DIMS`) are cut into consecutive blocks of
 ``ep`` ranks, each block holding all the experts once (``E / ep`` each); ranks at the same place
-of different blocks hold the same experts and form the expert-data-parallel group (``dp / ep``
-ranks) over which expert gradients are averaged. World 8, tp 2, dp 4, ep 2::
+of different blocks hold the same experts and form the expert-data-parallel group (``dp x cp / ep``
+ranks). Expert gradients are *summed* over that group and divided by ``dp x cp``, not by its size
+(Megatron's ``expert_gradient_scaling_factor`` = edp / (dp x cp) before an averaging all-reduce
+over the edp group): each rank's expert gradient already sums the tokens its ep block's ranks
+sent it, so the sum over the group covers every dp x cp rank's tokens once, and the division
+gives the mean over the dense data-parallel ranks, as for every other weight. World 8, tp 2,
+dp 4, ep 2::
 
     dp groups  : [0,2,4,6] [1,3,5,7]
     ep groups  : [0,2] [4,6] [1,3] [5,7]        tokens cross these with all-to-all
-    edp groups : [0,4] [2,6] [1,5] [3,7]        expert gradients are averaged over these
+    edp groups : [0,4] [2,6] [1,5] [3,7]        expert gradients are summed over these, / (dp x cp)
+
+Megatron-LM builds the experts' own rank grid from ``--expert-tensor-parallel-size`` (etp, default
+tp) and checks ``world size % (etp x ep x pp) == 0`` (``parallel_state.initialize_model_parallel``);
+with etp = tp, as here (this engine has no etp), that is: ep divides dp x cp.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ SIZE_NAMES = {
     "ep": ("expert-model-parallel size", "--expert-model-parallel-size"),
 }
 #: The dimensions whose ranks hold the same dense weights and different tokens: ``ep`` splits their
-#: product (Megatron: ep divides dp x cp). A ``cp`` entry of :data:`ORDER` joins them by itself.
+#: product (Megatron, with etp = tp: ep divides dp x cp). A ``cp`` entry of :data:`ORDER` joins them by itself.
 EXPERT_DATA_DIMS = tuple(d for d in ORDER if d in ("cp", "dp"))
 
 

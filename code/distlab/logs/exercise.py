@@ -5,7 +5,8 @@ last iteration line was printed (``iteration n/ n``): the job trained to the end
 pipelined run must also have the asked micro batch b and the fewest micro-batches per step m
 with (p - 1)/(m + p - 1) <= the asked bubble, and its timeline must show the bubble measured
 below the one-micro-batch bubble (p - 1)/p by more than :data:`BUBBLE_MARGIN`. Notebook 09's
-long-sequence run must also stay within a memory budget per rank (its ``> memory:`` line) with
+long-sequence run must also train on the asked sequence length (read from its iteration lines
+whatever the layout) and stay within a memory budget per rank (its ``> memory:`` line) with
 tensor parallelism inside a node.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from distlab.checks import FIXME, check
 from distlab.gpt.pipeline_parallel.timeline import load_timeline, theoretical_bubble
-from distlab.logs.formats import CONTEXT_PARALLEL
+from distlab.logs.formats import CONTEXT_PARALLEL, ITERATION
 from distlab.logs.megatron import banner_line, batch_arithmetic, layout_and_completion, parse_banner
 from distlab.logs.memory import prediction
 
@@ -84,32 +85,90 @@ def check_pipeline_run(
     )
 
 
+def trained_sequence_length(text: str) -> tuple[float, float] | None:
+    """The sequence length a run trained on, read from its last iteration line whatever its
+    layout, and how far the line's rounding may move it: the engine prints tokens per second =
+    global batch x ``--seq-length`` / seconds per iteration, so s = tokens/s x ms / 1000 / batch,
+    within a relative 0.05/ms + 0.05/(tokens/s) (both printed to 0.1). None without such a line."""
+    rows = [r for r in ITERATION.parse(text) if "tokens_per_s" in r and r["ms"] > 0 and r["gbs"] > 0]
+    if not rows:
+        return None
+    r = rows[-1]
+    s = r["tokens_per_s"] * r["ms"] / 1000 / r["gbs"]
+    return s, s * (0.05 / r["ms"] + 0.05 / r["tokens_per_s"]) + 1e-6
+
+
 def long_sequence_run(text: str) -> dict:
-    """What notebook 09's exercise reads from a run's log: world size, tp, cp, the sequence, the
-    predicted peak per rank (MiB) and whether the run trained to its last iteration."""
+    """What notebook 09's exercise reads from a run's log: world size, tp, cp, the sequence (the
+    context-parallel line's, else the one the iteration lines imply, rounded), the predicted peak
+    per rank (MiB) and whether the run trained to its last iteration."""
     banner, done = parse_banner(text), layout_and_completion(text)[1]
     cp = CONTEXT_PARALLEL.search(text) or {"cp": 1}
+    trained = trained_sequence_length(text)
     return {
         "world_size": banner.world_size,
         "tp": banner.tp,
         "cp": cp["cp"],
-        "seq_length": cp.get("seq_length"),
+        "seq_length": cp.get("seq_length", None if trained is None else round(trained[0])),
         "predicted_mib": prediction(text).get("predicted"),
         "finished": done,
     }
 
 
+def long_sequence_predictions(
+    gpt_args: str, *, world_size: int, seq_length: int, vocab_size: int = 4096
+) -> dict[tuple[int, int], float]:
+    """(tp, cp) -> the predicted peak per rank in MiB that the run's ``> memory:`` line would print
+    (``memory_estimate``, first iteration) for every layout of ``world_size`` ranks (pp 1, dp what
+    is left, one micro-batch of 1 per step) that the model ``gpt_args`` allows at ``seq_length``."""
+    import shlex
+
+    from distlab.gpt.arguments import build_layout, parse_args
+    from distlab.gpt.memory.memory_estimate import MemorySetup, estimate
+    from distlab.gpt.tensor_parallel.layers import pad_vocab_size
+
+    out = {}
+    sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for tp, cp in ((tp, cp) for tp in sizes for cp in sizes if world_size % (tp * cp) == 0):
+        argv = [*shlex.split(gpt_args), "--seq-length", str(seq_length), "--max-position-embeddings",
+                str(seq_length), "--micro-batch-size", "1", "--global-batch-size", str(world_size // (tp * cp)),
+                "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp)]  # fmt: skip
+        args = parse_args(argv)
+        try:
+            layout = build_layout(args, world_size)
+            layout.validate_model(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+                                  hidden_size=args.hidden_size, seq_length=seq_length)  # fmt: skip
+        except ValueError:  # heads or hidden size that tp does not divide, a sequence 2cp does not cut
+            continue
+        vocab = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
+        out[tp, cp] = estimate(MemorySetup.from_run(args, layout, vocab)).peak(first_iteration=True) / 2**20
+    return out
+
+
+def long_sequence_budget(predictions: dict[tuple[int, int], float]) -> int:
+    """The exercise's budget in MiB: 95% of the smallest predicted peak of any layout without
+    context parallelism (cp = 1), tensor parallelism across nodes included, rounded to the MiB: no
+    layout without CP meets it. 38 MiB for notebook 09's local model at s = 2048 (tp 4: 39.9)."""
+    return round(0.95 * min(mib for (_, cp), mib in predictions.items() if cp == 1))
+
+
 def check_long_sequence_run(
     text: str | None, *, world_size: int, seq_length: int, budget_mib: float, max_tp: int
 ) -> bool:
-    """``check`` notebook 09's run: ``world_size`` ranks, ``--seq-length`` ``seq_length`` (or cp = 1),
-    a predicted peak per rank within ``budget_mib``, tp <= ``max_tp`` (inside a node), finished."""
+    """``check`` notebook 09's run: ``world_size`` ranks, trained on sequences of ``seq_length``
+    (the context-parallel line's, else the iteration lines' tokens per second: a run with a
+    shorter sequence fails, whatever its layout), a predicted peak per rank within ``budget_mib``,
+    tp <= ``max_tp`` (inside a node), finished."""
     answer = FIXME if text is None else long_sequence_run(text)
+    trained = None if text is None else trained_sequence_length(text)
 
     def ok(run: dict) -> bool:
         return (
             run["world_size"] == world_size
-            and run["seq_length"] in (seq_length, None)
+            and run["seq_length"] is not None
+            and trained is not None
+            and abs(trained[0] - seq_length) <= trained[1]
+            and (run["cp"] == 1 or run["seq_length"] == seq_length)
             and run["predicted_mib"] is not None
             and run["predicted_mib"] <= budget_mib
             and run["tp"] <= max_tp
@@ -117,8 +176,9 @@ def check_long_sequence_run(
         )
 
     hint = (
-        f"{world_size} ranks = tp x cp x dp (x pp); tensor parallelism at most {max_tp} (inside a node); "
-        f"the predicted peak per rank (the '> memory:' line) at most {budget_mib} MiB: which dimension "
-        f"divides every activation, the loss head's included, by its size? And did the run finish?"
+        f"sequences of {seq_length} tokens (--seq-length {seq_length}) on {world_size} ranks = tp x cp x dp "
+        f"(x pp); tensor parallelism at most {max_tp} (inside a node); the predicted peak per rank (the "
+        f"'> memory:' line) at most {budget_mib} MiB: which dimension divides every activation, the loss "
+        f"head's included, by its size? And did the run finish?"
     )
     return check("the long-sequence run", answer, ok=ok, hint=hint)

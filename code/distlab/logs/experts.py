@@ -4,9 +4,11 @@ Each logged iteration prints one ``[moe]`` line per MoE layer (``distlab.logs.fo
 the tokens routed to each expert over all micro-batches and data-parallel ranks. For one layer,
 with c_i the tokens of expert i at a step::
 
-    imbalance = max_i c_i / mean_i c_i         1 when balanced, E when one expert takes all
+    imbalance = max_i c_i / mean_i c_i         1 when balanced, at most E / k with top-k routing
 
-which is what the load-balancing loss (``--moe-aux-loss-coeff``) pushes towards 1, and what
+(the N tokens fill k N slots, mean k N / E per expert, and an expert takes each token at most
+once, c_i <= N: E / k is k experts taking every token; E only with top-1), which is what the
+load-balancing loss (``--moe-aux-loss-coeff``) pushes towards 1, and what
 sets a step's time under expert parallelism: every rank waits for the busiest expert.
 :func:`check_expert_budget` is the check of notebook 09's exercise (experts and a parameter budget).
 """

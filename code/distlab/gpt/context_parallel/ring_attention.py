@@ -16,15 +16,18 @@ receive from i-1: NCCL-safe), and merges the partial results by their log-sum-ex
 Causal masking works per pair of chunks (q chunk a, k chunk b): all keys visible if b < a,
 the causal triangle if b == a, nothing if b > a (skipped). Balanced, every rank computes the
 same work at every step (two pairs; at step 0 one pair and two half diagonals); contiguous, rank
-cp-1 computes at every step while rank 0 waits after step 0 (:func:`pair_work`).
+cp-1 computes at every step while rank 0 waits after step 0: chunk j attends to j + 1/2 pairs, so
+rank i does (2i + 1/2) + (2i + 3/2) = 4i + 2 pairs, and rank cp-1 does 4cp - 2, (2cp - 1) times
+rank 0's 2 (:func:`pair_work`).
 
 **Backward** (:class:`RingAttention`, a ``torch.autograd.Function``): the probabilities are
 *recomputed* per block from Q, K and the saved log-sum-exp (as FlashAttention does), never
 stored. K/V go round the ring again, and with them an fp32 accumulator of dK/dV: every rank
 adds its queries' contribution to the block it holds and passes the accumulator on with it; after
-``cp`` hops the accumulator is back at the block's owner, complete. Per layer and step the ring
-moves ``2 (cp - 1)`` K/V blocks of (b, n/tp, T/cp, d) forward, and ``cp - 1`` K/V plus ``cp``
-dK/dV blocks backward, per rank.
+``cp`` hops the accumulator is back at the block's owner, complete. Per layer and micro-batch each
+rank sends, in blocks of (b, n/tp, T/cp, d): forward ``cp - 1`` K/V messages of two blocks (K and
+V), ``2 (cp - 1)`` blocks; backward ``cp - 1`` K/V messages again (``2 (cp - 1)`` blocks) and
+``cp`` dK/dV messages of two fp32 blocks each (``2 cp`` blocks, in fp32).
 """
 
 from __future__ import annotations

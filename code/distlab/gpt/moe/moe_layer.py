@@ -18,7 +18,11 @@ Load balancing (Switch Transformer / GShard, Megatron's ``switch_load_balancing_
     s_n     = softmax(logits_n)                        (E,), over all experts
     f_i     = #{n : i in topk(s_n, k)} / (k N)         share of the routed slots expert i gets
     P_i     = (1 / N) sum_n s_ni                       mean router probability of expert i
-    l_aux   = E sum_i f_i P_i                          1 when balanced, up to E when one expert takes all
+    l_aux   = E sum_i f_i P_i                          1 when balanced, at most E / k
+
+A token fills k *different* experts, so f_i <= 1/k, and sum_i P_i = 1: sum_i f_i P_i <= 1/k and
+l_aux <= E / k, reached when k experts take every token (f_i = 1/k each) and one of them holds all
+the router probability. E is the bound of top-1 routing only.
 
 The objective is ``lm loss + coeff sum_layers l_aux`` (``--moe-aux-loss-coeff``); the log reports
 ``l_aux`` per layer without the coefficient (Megatron's ``load_balancing_loss``). The experts of
@@ -174,7 +178,7 @@ class MoELayer(nn.Module):
             {str(e): ExpertMLP(hidden, ffn) for e in range(ep_rank * local, (ep_rank + 1) * local)}
         )
         for p in self.experts.parameters():
-            p.expert_parallel = True  # gradients averaged over the expert-data-parallel group
+            p.expert_parallel = True  # gradients summed over the expert-data-parallel group, / (dp x cp)
         self.aux_loss: torch.Tensor | None = None  # l_aux of the last training forward, for the model
         self.stats = RouterStats(torch.zeros(cfg.num_experts, dtype=torch.long))
 

@@ -11,8 +11,10 @@ inserts the collectives. With ``Y = GeLU(X A) C``, ``A = [A_1 .. A_p]`` by colum
     proj, fc2: RowParallelLinear, g          RowwiseParallel   weight Shard(1): Partial out,
                                              g's all-reduce = Partial -> Replicate
     --sequence-parallel: norms on T / p      SequenceParallel on ln1, ln2 (input Shard(1))
-    g-bar: all-gather of the sequence        PrepareModuleInput(Shard(1) -> Replicate) on attn, mlp
-    g: reduce-scatter to the sequence        RowwiseParallel(output_layouts=Shard(1))
+    g: all-gather of the sequence forward,   PrepareModuleInput(Shard(1) -> Replicate) on attn, mlp
+       reduce-scatter of dX backward
+    g-bar: reduce-scatter to the sequence    RowwiseParallel(output_layouts=Shard(1))
+       forward, all-gather backward
     layer-norm gradients all-reduced on tp   the norms' Partial(sum) gradients made Replicate
                                              (:func:`reduce_partial_gradients`, before the norm)
 

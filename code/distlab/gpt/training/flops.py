@@ -1,19 +1,34 @@
 """Model FLOPs of one iteration, TFLOP/s and model FLOPs utilisation (MFU).
 
-Megatron's formula counts the matrix multiplications of one global batch of ``B`` samples of
-length ``T``, ``L`` layers, width ``H``, vocabulary ``V`` (notation: ``distlab.gpt``'s legend);
-forward + backward is 3 forwards (backward costs two), 4 with full recomputation (a second
-forward of every block; selective recomputation redoes only the attention scores, not counted)::
+Megatron's formula (Narayanan et al. 2021, appendix) counts the matrix multiplications of one
+global batch of ``B`` samples of length ``s``, ``l`` layers, width ``h``, vocabulary ``V``. One
+layer's forward is 24 B s h^2 (QKV, projection, the two MLP GEMMs: 2 FLOPs per multiply-add) plus
+4 B s^2 h (Q K^T and the scores times V), the logit layer's 2 B s h V; backward costs two forwards.
+Without recomputation::
 
-    F = 24 c B T L H^2 (1 + T / (6 H) + V / (16 L H)),   c = 3 (or 4 with full recomputation)
+    F = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
+
+With full recomputation every block runs its forward a second time, the logit layer does not
+(it is never recomputed), which gives the paper's ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``.
+Both are ``24 B s h^2 (1 + s/(6h)) (3 l + r) + 6 B s h V`` with ``r`` recomputed blocks
+(:func:`model_flops_per_iteration`); selective recomputation redoes only the core attention and
+is not counted (model FLOPs, not hardware FLOPs).
+
+**Causal attention is counted in full** (``s/(6h)``): Q K^T and the scores times V are computed as
+whole ``s x s`` products by both attention backends, and PyTorch's FLOP counter counts them so
+(``tests/test_gpt_log.py`` checks the formula against ``torch.utils.flop_counter`` on the engine's
+own model). Current Megatron-LM's ``num_floating_point_operations`` (megatron/training/training.py,
+since March 2025) counts only the unmasked half, ``s/(12h)`` in place of ``s/(6h)``: its TFLOP/s
+and MFU are lower than this engine's by ``12 B s^2 l h / 2`` FLOPs (:data:`CONVENTION` names the
+choice in the run's log).
 
     TFLOP/s per device = F / (time per iteration x world size) / 1e12
     MFU                = TFLOP/s per device / peak of the device (when known)
 
 A CPU has no published peak that its ranks could reach: :func:`measure_gemm_tflops` times large
 square matrix multiplications (``2 n^3`` FLOPs each) instead, the best a run's GEMMs could do on
-it. The local cluster's ranks share one machine, so there MFU is the job's total over the
-machine's measured peak (:func:`mfu`).
+it with the threads it is given. The local cluster's ranks share one machine, so there MFU is the
+job's total over the machine's measured peak (:func:`mfu`).
 """
 
 from __future__ import annotations
@@ -38,11 +53,78 @@ PEAK_TFLOPS = {
 }
 
 
+CONVENTION = "causal attention counted in full, s/(6h) (Megatron-LM since 2025: s/(12h))"
+"""How the log's TFLOP/s and MFU count attention (printed once at start-up by :func:`flops_line`)."""
+
+
+def recomputed_layers(args: PretrainArgs) -> int:
+    """Blocks whose forward runs twice per micro-batch: all ``l`` with full uniform recomputation,
+    ``N`` per model chunk (``pp x v`` chunks) with full block recomputation, else 0."""
+    if granularity_of(args.recompute_activations, args.recompute_granularity) != "full":
+        return 0
+    if args.recompute_method == "block" and args.recompute_num_layers:
+        chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
+        return min(args.num_layers, args.recompute_num_layers * chunks)
+    return args.num_layers
+
+
 def model_flops_per_iteration(args: PretrainArgs, vocab_size: int) -> float:
-    """Forward + backward FLOPs of one global batch (see the module docstring)."""
-    B, T, L, H = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size
-    c = 4 if granularity_of(args.recompute_activations, args.recompute_granularity) == "full" else 3
-    return 24.0 * c * B * T * L * H * H * (1.0 + T / (6.0 * H) + vocab_size / (16.0 * L * H))
+    """Forward + backward FLOPs of one global batch: 24 B s h^2 (1 + s/(6h)) (3 l + r) + 6 B s h V,
+    ``r`` = :func:`recomputed_layers` (see the module docstring)."""
+    B, s, layers, h = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size
+    r = recomputed_layers(args)
+    return 24.0 * B * s * h * h * (1.0 + s / (6.0 * h)) * (3 * layers + r) + 6.0 * B * s * h * vocab_size
+
+
+def flops_line(args: PretrainArgs, vocab_size: int) -> str:
+    """The start-up line that says what the iteration lines' TFLOP/s and MFU count."""
+    per_iteration = model_flops_per_iteration(args, vocab_size)
+    return f"> model FLOPs per iteration: {per_iteration:.4g} ({CONVENTION})"
+
+
+def counted_flops(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    vocab_size: int,
+    seq_length: int,
+    batch: int,
+    recompute_granularity: str | None = None,
+    checkpoint_early_stop: bool = True,
+) -> int:
+    """FLOPs of one forward + backward of the engine's GPT on ``batch`` samples, as PyTorch's
+    ``torch.utils.flop_counter.FlopCounterMode`` counts them (2 per multiply-add of every mm, addmm
+    and bmm), independent of the formula above. The model is built on the meta device: nothing is
+    computed or allocated, so GPT-2 small's shape costs what the tiny one does, and the fused
+    attention decomposes into the two products it stands for. With ``recompute_granularity="full"``
+    every block is its own checkpointed group; PyTorch's non-reentrant checkpoint stops recomputing
+    once the tensors backward needs are rebuilt (``checkpoint_early_stop``, its default), so the last
+    GEMM of each group (fc2, 8 B s h^2) is not run again, which the formula, as Megatron's, counts."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from distlab.gpt.transformer.model import (  # the model imports this module's neighbours
+        GPTConfig,
+        GPTModel,
+    )
+
+    cfg = GPTConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=seq_length,
+        recompute_granularity=recompute_granularity,
+        recompute_method="uniform" if recompute_granularity == "full" else None,
+        recompute_num_layers=1 if recompute_granularity == "full" else None,
+    )
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+        tokens = torch.zeros(batch, seq_length, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter, set_checkpoint_early_stop(checkpoint_early_stop):
+        model(tokens, tokens).mean().backward()
+    return counter.get_total_flops()
 
 
 def device_peak_tflops(device: torch.device) -> float | None:
