@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from distlab.gpt.arguments import PretrainArgs, _recompute_errors
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.arguments.validation import _recompute_errors
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import (
     MemorySetup,

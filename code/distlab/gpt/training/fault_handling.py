@@ -40,8 +40,7 @@ from types import FrameType
 
 import torch.distributed as dist
 
-#: The signals ``--exit-signal`` accepts (Megatron-LM's SIGNAL_MAP).
-SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+from distlab.gpt.arguments.groups import SIGNALS
 
 
 class ExitSignal:
