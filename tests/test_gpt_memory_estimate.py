@@ -102,7 +102,9 @@ def test_bad_setups_fail_with_the_values() -> None:
         tiny(precision="fp8")
     with pytest.raises(ValueError, match="zero stage 4"):
         tiny(zero_stage=4)
-    with pytest.raises(ValueError, match="layers 4 must divide by pp 3"):
+    with pytest.raises(
+        ValueError, match="--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"
+    ):
         tiny(pp=3)
 
 

@@ -220,7 +220,7 @@ def test_estimator_divides_every_term_by_tp() -> None:
         )
     tp_only = block_bytes(MemorySetup(**setup))
     assert tp_only == sbh * 4 * (4 + 12 / 4)  # residual and LayerNorm outputs whole on every rank
-    with pytest.raises(ValueError, match="sequence parallelism needs tp > 1, got tp 1"):
+    with pytest.raises(ValueError, match="--sequence-parallel needs --tensor-model-parallel-size > 1, got 1"):
         MemorySetup(**{**setup, "tp": 1}, sequence_parallel=True)
 
 

@@ -17,7 +17,13 @@ from distlab.gpt.arguments.backends import (
 )
 from distlab.gpt.arguments.groups import PretrainArgs
 from distlab.gpt.arguments.parser import parse_split, profile_ranks
-from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
+from distlab.gpt.layout import (
+    Layout,
+    context_dropout_error,
+    heads_error,
+    parse_step_schedule,
+    rampup_schedule,
+)
 from distlab.gpt.moe.moe_layer import config_errors, placement_errors
 from distlab.gpt.pipeline_parallel.schedules import check_schedule
 from distlab.gpt.transformer.recompute import granularity_of, recompute_errors
@@ -124,11 +130,8 @@ def virtual_stages(args: PretrainArgs) -> int:
 
 def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
     errors = []
-    if args.hidden_size % args.num_attention_heads:
-        errors.append(
-            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-            f"{args.num_attention_heads}: head size must be an integer"
-        )
+    if error := heads_error(args.hidden_size, args.num_attention_heads):
+        errors.append(error)
     if args.seq_length > args.max_position_embeddings:
         errors.append(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
@@ -284,20 +287,19 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         return []
     flag = f"--context-parallel-size {layout.cp}"
     errors = [
-        f"{flag} with {name}: {why}"
+        f"{flag} with {name}: {why}" if name else why
         for name, given, why in (
             ("--deepspeed", args.deepspeed, "ZeRO shards over the data-parallel ranks only; drop one"),
             ("--use-torch-fsdp2", args.use_torch_fsdp2, "its mesh is the data-parallel ranks only; drop one"),
             ("--tensor-parallel-impl dtensor", args.tensor_parallel_impl == "dtensor",
              "its DeviceMesh has no cp dimension here; use --tensor-parallel-impl megatron"),
-            (f"--attention-dropout {args.attention_dropout}", args.attention_dropout > 0,
-             "ring attention has no dropout; set it to 0"),
+            (None, True, context_dropout_error(layout.cp, args.attention_dropout)),  # the layout's rule
             ("--ckpt-format torch_dist", args.ckpt_format == "torch_dist" and bool(args.save or args.load),
              "cp ranks hold the same weights under the same names; use --ckpt-format torch"),
             ("--sequence-parallel", args.sequence_parallel,
              "not combined with ring attention in this engine; drop one"),
         )
-        if given
+        if given and why
     ]  # fmt: skip
     return errors
 

@@ -100,6 +100,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from distlab.gpt.layout import (
+    context_chunks_error,
+    heads_error,
+    layers_error,
+    raise_errors,
+    sequence_parallel_error,
+)
 from distlab.gpt.transformer.recompute import (
     ATTENTION_BACKENDS,
     EXPLICIT_BACKENDS,
@@ -119,7 +126,9 @@ _HALF = ("fp16", "bf16")
 
 @dataclass(frozen=True)
 class MemorySetup:
-    """A model shape and how it is trained: everything the estimate depends on."""
+    """A model shape and how it is trained: everything the estimate depends on. A run's setup is
+    built from its :class:`~distlab.gpt.layout.Layout` (:meth:`from_layout`, :meth:`from_run`)
+    and obeys the layout's rules; the sizes are fields too, for what-if questions."""
 
     num_layers: int
     """L, blocks in the whole model."""
@@ -172,10 +181,12 @@ class MemorySetup:
     """``--tensor-parallel-impl``: "dtensor" keeps the gathered LN outputs and the vocabulary whole."""
 
     def __post_init__(self) -> None:
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError(
-                "sequence parallelism needs tp > 1, got tp 1: drop sequence_parallel or raise tp"
-            )
+        raise_errors(  # the layout's rules, the same as the run's (distlab/gpt/layout.py)
+            sequence_parallel_error(self.sequence_parallel, self.tp),
+            layers_error(self.num_layers, self.pp, self.vp),
+            heads_error(self.hidden_size, self.num_attention_heads),
+            context_chunks_error(self.seq_length, self.cp),
+        )
         if self.tensor_parallel_impl not in ("megatron", "dtensor"):
             raise ValueError(
                 f"tensor_parallel_impl {self.tensor_parallel_impl!r} must be megatron or dtensor"
@@ -184,13 +195,6 @@ class MemorySetup:
             raise ValueError(f"precision {self.precision!r} must be fp32, fp16 or bf16")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero stage {self.zero_stage} must be 0, 1, 2 or 3")
-        if self.num_layers % (self.pp * self.vp) or self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"layers {self.num_layers} must divide by pp {self.pp} x vp {self.vp} and hidden "
-                f"{self.hidden_size} by heads {self.num_attention_heads}"
-            )
-        if self.cp > 1 and self.seq_length % (2 * self.cp):
-            raise ValueError(f"sequence {self.seq_length} must divide by 2 x cp {self.cp}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention backend {self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
@@ -205,39 +209,49 @@ class MemorySetup:
             raise ValueError("; ".join(errors))
 
     @classmethod
+    def from_layout(cls, layout: Layout, **setup) -> MemorySetup:
+        """The setup of a model trained on ``layout``: the parallel sizes (tp, pp, dp, cp, vp, ep),
+        sequence parallelism, the micro batch b and the m micro-batches of the final global batch
+        are read from it, not declared again; ``setup`` gives the rest."""
+        return cls(
+            **setup,
+            micro_batch_size=layout.micro_batch_size,
+            num_micro_batches=layout.num_micro_batches,
+            tp=layout.tp,
+            pp=layout.pp,
+            dp=layout.dp,
+            cp=layout.cp,
+            vp=layout.vp,
+            ep=layout.ep,
+            sequence_parallel=layout.sequence_parallel,
+        )
+
+    @classmethod
     def from_run(
         cls, args: PretrainArgs, layout: Layout, vocab_size: int, deepspeed_config: dict | None = None
     ) -> MemorySetup:
         """The setup of a validated run: its arguments, layout (sizes, b, m at the final global
         batch), padded vocabulary and DeepSpeed config (ZeRO stage, offload), if any."""
         zero = (deepspeed_config or {}).get("zero_optimization", {})
-        return cls(
+        return cls.from_layout(
+            layout,
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
             num_attention_heads=args.num_attention_heads,
             seq_length=args.seq_length,
             vocab_size=vocab_size,
-            micro_batch_size=layout.micro_batch_size,
             precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
             recompute_granularity=granularity_of(args.recompute_activations, args.recompute_granularity),
             recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers,
             attention_backend=args.attention_backend,
-            num_micro_batches=layout.num_micro_batches,
-            tp=layout.tp,
-            pp=layout.pp,
-            dp=layout.dp,
-            cp=layout.cp,
             pipeline_schedule=args.pipeline_schedule,
-            vp=layout.vp,
             zero_stage=zero.get("stage", 0),
             offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
             or (args.use_torch_fsdp2 and args.torch_fsdp2_cpu_offload),
             fsdp2=args.use_torch_fsdp2,
             fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
             num_experts=args.num_experts,
-            ep=layout.ep,
-            sequence_parallel=layout.sequence_parallel,
             tensor_parallel_impl=args.tensor_parallel_impl,
         )
 

@@ -61,6 +61,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_attention, ring_of
+from distlab.gpt.layout import context_dropout_error, raise_errors, sequence_parallel_error
 from distlab.gpt.moe.moe_layer import MoEConfig, MoELayer, attach_aux_loss
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import (
@@ -237,16 +238,11 @@ class GPTModel(nn.Module):
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
         self.tp_group = state.tp_group if tp > 1 else None  # None: every operator is the identity
         self.ring = ring_of(state)
-        if self.ring is not None and cfg.attention_dropout:
-            raise ValueError(
-                f"--attention-dropout {cfg.attention_dropout} with --context-parallel-size {state.cp}: "
-                f"ring attention has no dropout; set it to 0"
-            )
-        if cfg.sequence_parallel and tp == 1:
-            raise ValueError(
-                "sequence parallelism needs tensor-parallel size > 1, got 1: drop --sequence-parallel "
-                "or raise --tensor-model-parallel-size"
-            )
+        cp = state.cp if state is not None else 1
+        raise_errors(  # the layout's rules (validate_args checks them before a run)
+            context_dropout_error(cp, cfg.attention_dropout),
+            sequence_parallel_error(cfg.sequence_parallel, tp),
+        )
         self.sp_rank = state.tp_rank if cfg.sequence_parallel else 0  # which T/tp positions are here
         if self.is_first:
             self.wte = VocabParallelEmbedding(
