@@ -24,10 +24,9 @@ The steps of ``main``, in order:
     parse_args     flags, and the checks that need nothing but the flags (argparse's errors)
     check_inputs   on every rank, before the process group starts: the data, the rank count,
                    the checkpoint to resume, --data-parallel's GPUs (exit with the fix)
-    build_run      process group, seeded model, optimizer, schedule, resume, start-up lines,
-                   DDP (or DataParallel), loaders
-    train          train_epoch until --epochs or --stop-after (set_epoch, reseed, one epoch,
-                   evaluate, checkpoint), then the summary line
+    build_run      process group, seeded model, optimizer, schedule, resume, start-up lines, loaders
+    train          train_epoch until --epochs or --stop-after (set_epoch, reseed, a new DDP, one
+                   epoch, evaluate, checkpoint), then the summary line
 """
 
 from __future__ import annotations
@@ -184,8 +183,7 @@ class Run(NamedTuple):
     args: argparse.Namespace
     ctx: DistContext
     spec: ModelSpec
-    model: nn.Module  # what trains: DDP(bare), DataParallel(bare), or bare itself on one rank
-    bare: nn.Module  # the model inside: evaluated and checkpointed
+    bare: nn.Module  # the model: wrapped anew every epoch (parallelize), evaluated and checkpointed
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: DataLoader  # this rank's shard (DistributedSampler)
@@ -200,7 +198,8 @@ class Run(NamedTuple):
 
 def build_run(args: argparse.Namespace, spec: ModelSpec, env: DistEnv, inputs: Inputs) -> Run:
     """Start the process group; build the model (same seed on every rank), optimizer and cosine
-    schedule; resume; print the start-up lines; wrap the model for data parallelism; make loaders."""
+    schedule; resume; print the start-up lines; make loaders. Each epoch wraps the model for data
+    parallelism (:func:`parallelize`)."""
     ctx = init_distributed(None if args.backend == "auto" else args.backend, timeout_s=args.timeout, env=env)
     device = ctx.device
     threads = cap_cpu_threads(env.local_world_size) if device.type == "cpu" else "cuda"
@@ -214,12 +213,11 @@ def build_run(args: argparse.Namespace, spec: ModelSpec, env: DistEnv, inputs: I
     start_epoch = restore(inputs.resume, bare, optimizer, scheduler, ctx)
     host = socket.gethostname()
     print_start(args, ctx, spec, inputs, host, threads, param_checksum(bare))  # before DDP's broadcast
-    model = parallelize(bare, args, ctx)
     loader = engine.train_loader(
         inputs.train_set, batch_size=args.batch_size, seed=args.seed, workers=workers
     )
     test_loader = engine.eval_loader(inputs.test_set, batch_size=args.eval_batch_size, workers=workers)
-    return Run(args, ctx, spec, model, bare, optimizer, scheduler, loader, test_loader, start_epoch, host)
+    return Run(args, ctx, spec, bare, optimizer, scheduler, loader, test_loader, start_epoch, host)
 
 
 def restore(
@@ -270,7 +268,20 @@ def print_start(
 
 
 def parallelize(model: nn.Module, args: argparse.Namespace, ctx: DistContext) -> nn.Module:
-    """DataParallel with --data-parallel, DDP on more than one rank, else the model itself."""
+    """DataParallel with --data-parallel, DDP on more than one rank, else the model itself.
+
+    Called at the start of every epoch, so that a resumed run reduces its gradients exactly as
+    the uninterrupted one. DDP's first step after its construction all-reduces every gradient in
+    one bucket; from the second step on it uses buckets rebuilt in the order backward produced the
+    gradients. The ring all-reduce adds the ranks' values in an order that depends on where an
+    element sits in its bucket, so with three or more ranks the same gradients reduced in the two
+    layouts differ in the last bit. A DDP kept for the whole run would give a resumed run's first
+    step the one-bucket layout where the uninterrupted run used the rebuilt one, and the two runs
+    would drift apart by rounding from the resumed run's second step on (measured: 5e-8 in an epoch's
+    mean loss in notebook 03's local run, 2e-4 by the third epoch of the tests' tiny model: either
+    can change a printed digit). A new DDP every epoch starts every epoch alike; it costs one
+    broadcast of the weights, which every rank holds already.
+    """
     if args.data_parallel:
         return nn.DataParallel(model)  # one process, scatters each batch over the GPUs
     if ctx.world_size > 1:
@@ -301,14 +312,15 @@ def train(run: Run) -> list[dict]:
 
 
 def train_epoch(run: Run, epoch: int) -> dict:
-    """One epoch (0-based ``epoch``): shuffle, reseed, train, evaluate, print, checkpoint."""
+    """One epoch (0-based ``epoch``): shuffle, reseed, wrap, train, evaluate, print, checkpoint."""
     args, rank, size, device = run.args, run.ctx.rank, run.ctx.world_size, run.ctx.device
     if not args.skip_set_epoch:
         run.loader.sampler.set_epoch(epoch)  # new shuffle each epoch, the same on every rank
     torch.manual_seed(args.seed + 1_000_003 * (epoch + 1) + 7_919 * rank)  # augmentation: resumable
+    model = parallelize(run.bare, args, run.ctx)  # a new DDP: every epoch buckets alike (see there)
     if epoch == 0 and rank == args.fail_on_rank:
         raise RuntimeError(f"rank {rank} fails on purpose (--fail-on-rank {args.fail_on_rank})")
-    stats = engine.train_one_epoch(run.model, run.loader, run.optimizer, device)
+    stats = engine.train_one_epoch(model, run.loader, run.optimizer, device)
     run.scheduler.step()
     acc, test_loss = engine.evaluate(run.bare, run.test_loader, device)
     print_on(

@@ -328,3 +328,56 @@ def test_the_nodes_side_of_faults_starts_without_torch() -> None:
     code = "import sys, distlab.fault_agent; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out
+
+
+# --- the torchrun lines of notebooks 09 and 10 ---------------------------------------------------
+NOTEBOOKS_9_10 = [
+    REPO_ROOT / "notebooks" / "09_context_and_expert_parallelism.ipynb",
+    REPO_ROOT / "solutions" / "09_context_and_expert_parallelism_solution.ipynb",
+    REPO_ROOT / "notebooks" / "10_fault_tolerance.ipynb",
+    REPO_ROOT / "solutions" / "10_fault_tolerance_solution.ipynb",
+]
+
+
+def _batch_scripts(path: Path) -> list[str]:
+    """The %%writefile cells of a notebook, continuation lines joined."""
+    import json
+
+    cells = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    return [c.replace("\\\n", " ") for c in cells if c.startswith("%%writefile")]
+
+
+def test_multi_node_torchrun_lines_name_their_rendezvous():
+    """PyTorch's documentation asks multi-node runs for a --rdzv-id shared by the nodes and unique to
+    the job: every torchrun line of notebooks 09 and 10 with a c10d endpoint sets the job's id."""
+    lines = [
+        line
+        for p in NOTEBOOKS_9_10
+        for s in _batch_scripts(p)
+        for line in s.splitlines()
+        if "torchrun --" in line and not line.lstrip().startswith("#")
+    ]
+    assert len(lines) >= 12
+    for line in lines:
+        assert "--rdzv-endpoint=" in line and "--rdzv-id=$SLURM_JOB_ID" in line, line
+
+
+def test_the_grace_that_signal_buys_reaches_the_workers(monkeypatch):
+    """torchrun SIGKILLs its workers ``--shutdown-timeout`` seconds after passing a signal on (30 by
+    default in the installed torch, as notebook 10 says): a script that traps ``--signal=B:USR1@N``
+    must raise it above 30 and keep it within N."""
+    import re
+
+    from torch.distributed.launcher.api import LaunchConfig
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == 30
+    config = config_from_args(get_args_parser().parse_args(["--shutdown-timeout=100", "train.py"]))[0]
+    assert config.shutdown_timeout == 100
+    graced = [s for p in NOTEBOOKS_9_10 for s in _batch_scripts(p) if "--signal=B:USR1@" in s]
+    assert graced
+    for script in graced:
+        grace = int(re.search(r"--signal=B:USR1@(\d+)", script).group(1))
+        shutdown = re.search(r"--shutdown-timeout=(\d+)", script)
+        assert shutdown and 30 < int(shutdown.group(1)) <= grace, script

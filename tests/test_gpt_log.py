@@ -144,6 +144,19 @@ def test_measured_gemm_rate_counts_two_n_cubed_per_product(monkeypatch):
     assert measure_gemm_tflops(torch.device("cpu"), size=64, min_time_s=0.01) > 0
 
 
+def test_measured_gemm_rate_with_the_jobs_threads_restores_torchs_count(monkeypatch):
+    """A 1-thread job's peak is measured on 1 thread; the notebook's own thread count comes back."""
+    seen, before = [], torch.get_num_threads()
+    torch.set_num_threads(2)
+    clock = lambda: seen.append(torch.get_num_threads()) or float(len(seen))  # noqa: E731
+    monkeypatch.setattr("distlab.gpt.training.flops.time.perf_counter", clock)
+    try:
+        measure_gemm_tflops(torch.device("cpu"), size=8, rounds=1, min_time_s=0.5, threads=1)
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def _profiled_iterations(tmp_path, capsys, first_iteration, last_iteration, start=3, end=5):
     """A tiny model's iterations ``first_iteration..last_iteration`` under StepProfiler, as the
     training loop drives it; returns the trace's events (None without a trace) and the printed log."""

@@ -28,6 +28,7 @@ from distlab.gpt.memory.memory_estimate import (
     stage_layers_bytes,
 )
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tensor_parallel.rng_tracker import model_parallel_manual_seed
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.gpt.transformer.recompute import checkpoint_groups, recompute_errors
 from tests.conftest import run_gloo
@@ -48,7 +49,7 @@ def loss_and_grads(**cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One forward and backward of the tiny GPT on a fixed batch (b = 3, T = 16)."""
     tokens = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(1))  # (b, T)
     model = GPTModel(GPTConfig(**{**CFG, "seed": 1, **cfg}))
-    torch.manual_seed(5)  # dropout, when there is any
+    model_parallel_manual_seed(5, tp_rank=0)  # dropout, when there is any: both random streams
     loss = model(tokens, tokens.roll(-1, dims=1)).mean()
     loss.backward()
     return loss.detach(), {k: p.grad for k, p in model.named_parameters()}

@@ -5,7 +5,9 @@ A 4-block GPT trains 2 AdamW steps on batches of 8 (4 micro-batches of 2) with G
 (2 stages), interleaved 1F1B and interleaved zero-bubble (4 stages, 2 per rank). Found equal to
 the bit on this CPU; asserted within 1e-6 (relative). Notebook 05's hand-written GPipe, 1F1B and
 interleaved 1F1B (``hand_written_steps``, what notebook 08 times beside PyTorch's) give them too,
-with a measured bubble between 0 and 1.
+with a measured bubble between 0 and 1. Each interleaved PyTorch schedule's own action order, run at
+T_F = T_B = T_W with free messages (``order_bubble``), leaves the closed-form bubble of Qi et
+al.'s model: 1/9 interleaved 1F1B, 1/25 interleaved zero-bubble (p 2, v 2, m 4).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def _worker(ctx: DistContext, out: str) -> None:
         stages = torch_pipelining.build_stages(GPTConfig(**CFG), name, ctx.device)
         schedule = torch_pipelining.build_schedule(stages, name, M)
         results[name] = torch_pipelining.train_steps(stages, schedule, _batches(), LR)
+        results[f"ideal bubble {name}"] = torch_pipelining.ideal_bubble(schedule)
     for name in torch_pipelining.HAND_WRITTEN:
         results[f"hand-written {name}"] = torch_pipelining.hand_written_steps(
             GPTConfig(**CFG), name, _batches(), M, LR
@@ -92,3 +95,30 @@ def test_layers_that_do_not_divide_the_stages_are_refused(results) -> None:
     msg = results[0]["error"]
     assert "--num-layers 6 is not divisible by the 4 stages of interleaved_1f1b on 2 ranks" in msg
     assert "choose a multiple of 4" in msg
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("gpipe", None),  # their step runs a loop of its own: the closed form (p - 1) / (m + p - 1)
+        ("1f1b", None),
+        ("interleaved_1f1b", 1 / (2 * M + 1)),  # (p - 1) / (v m + p - 1), p = 2, v = 2
+        ("interleaved_zero_bubble", 1 / (3 * 2 * M + 1)),  # (p - 1) / (3 v m + p - 1): not 0
+    ],
+)
+def test_each_interleaved_order_leaves_its_closed_form_bubble(
+    results, name: str, expected: float | None
+) -> None:
+    for rank in results:  # every rank holds the whole order
+        assert rank[f"ideal bubble {name}"] == (pytest.approx(expected, rel=1e-12) if expected else None)
+
+
+def test_order_bubble_follows_the_dependencies_and_refuses_a_cycle() -> None:
+    # GPipe by hand, p 2, m 2: stage 1's B0 ends at 5, stage 0's B1 at 9: 12 busy units of 2 x 9
+    gpipe = {0: ["0F0", "0F1", None, "0B0", "0B1", "0REDUCE_GRAD"], 1: [None, "1F0", "1F1", "1B0", "1B1"]}
+    assert torch_pipelining.order_bubble(gpipe) == pytest.approx(1 / 3)
+    # B split into I and W: stage 0's I waits for stage 1's I only, not for its W; span 8, not 9
+    split = {0: ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"], 1: ["1F0", "1F1", "1I0", "1W0", "1I1", "1W1"]}
+    assert torch_pipelining.order_bubble(split) == pytest.approx(1 - 12 / 16)
+    with pytest.raises(ValueError, match="waits for itself"):
+        torch_pipelining.order_bubble({0: ["0B0", "0F0"], 1: ["1F0", "1B0"]})

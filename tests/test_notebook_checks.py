@@ -82,6 +82,8 @@ CASES = [  # (notebook, right answers, one wrong answer, context)
         {},
     ),
     ("03_cifar_ddp", {"indices_per_rank": 4, "images_seen_twice": None}, {"indices_per_rank": 3}, {}),
+    ("03_cifar_ddp", {"indices_per_rank": 4, "images_seen_twice": None}, {"images_seen_twice": [0, 1]}, {}),
+    ("03_cifar_ddp", {"indices_per_rank": 4, "images_seen_twice": None}, {"images_seen_twice": 2}, {}),
     (
         "03_cifar_ddp",
         {
@@ -260,10 +262,9 @@ def pipelined_runs(tmp_path_factory) -> dict[int, tuple[str, object]]:
 
 def test_pipeline_exercise_check(pipelined_runs, capsys):
     """Notebook 05's exercise: the wrong m, the wrong micro batch and a timeline of another run
-    fail; nothing submitted waits; the right run passes where the cores are not oversubscribed
-    (at a load of 18 on 2 cores the scheduler, not the pipeline, makes the gaps: measured 0.46)."""
-    import os
-
+    fail; nothing submitted waits; the right run passes whatever the load, since m is read from the
+    log and the measured bubble is only shown (its spread on 2 shared cores, 0.13 for one m, is
+    larger than the step from m = 2 to m = 8: distlab.logs.exercise.BUBBLE_SPREAD)."""
     from distlab.logs.exercise import check_pipeline_run
 
     (log1, tl1), (log8, tl8) = pipelined_runs[1], pipelined_runs[8]
@@ -273,14 +274,10 @@ def test_pipeline_exercise_check(pipelined_runs, capsys):
         check_pipeline_run(log8, tl8, micro_batch=2, max_bubble=1 / 9)
     with pytest.raises(ExerciseError, match="micro-batches per step: 8 is not right"):  # m = 2 would do
         check_pipeline_run(log8, tl8, micro_batch=8, max_bubble=1 / 3)
-    with pytest.raises(ExerciseError, match=r"measured bubble: 0\.\d+ is not right.*holds 1 micro-batches"):
+    with pytest.raises(ExerciseError, match=r"the run's timeline .*: \(2, 1\) is not right.*8 micro-batches"):
         check_pipeline_run(log8, tl1, micro_batch=8, max_bubble=1 / 9)  # a stale timeline of m = 1
     assert check_pipeline_run(None, None, micro_batch=8, max_bubble=1 / 9) is False
     assert "[not yet]" in capsys.readouterr().out
-    load = os.getloadavg()[0]
-    if load > 3 * os.cpu_count():
-        pytest.skip(
-            f"load average {load:.0f} on {os.cpu_count()} cores: the measured bubble is the scheduler's"
-        )
     assert check_pipeline_run(log8, tl8, micro_batch=8, max_bubble=1 / 9) is True
-    assert "[ok] measured bubble" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[ok] the run's timeline" in out and "(shown, not checked)" in out and "= 0.11" in out

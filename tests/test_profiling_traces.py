@@ -116,6 +116,9 @@ def test_missing_trace_names_the_run(tmp_path):
 
 
 def test_exercise_check_reads_both_traces(dp2_trace, memory_trace, capsys):
+    """Decided on what the variant removes (communication, to exactly 0), not on the size of a move
+    (identical DP=4 runs differ by 23 points here): both true readings pass, every other answer and
+    a variant that still communicates fail, whatever the load."""
     from distlab.checks import FIXME, ExerciseError
     from distlab.profiling.exercise import check_changed_part, share_table
 
@@ -124,14 +127,17 @@ def test_exercise_check_reads_both_traces(dp2_trace, memory_trace, capsys):
     assert "[not yet]" in capsys.readouterr().out
     table = share_table(baseline, memory_trace)
     assert table["communication"][0] > 0 and table["communication"][1] == 0  # the MLP does not communicate
+    assert table["computation"][1] > table["computation"][0]
     assert check_changed_part(baseline, memory_trace, "communication", "down") is True  # it vanished
     assert "variant" in capsys.readouterr().out  # the shares, printed once the answer is right
-    with pytest.raises(ExerciseError, match="the communication share did not move up by more than 25 points"):
-        check_changed_part(baseline, memory_trace, "communication", "up")
-    assert "variant" not in capsys.readouterr().out  # a wrong answer does not print the other shares
-    with pytest.raises(ExerciseError, match="did not move down"):  # nothing vanished, nothing moved
-        check_changed_part(baseline, memory_trace, "data loading", "down")
-    with pytest.raises(ExerciseError, match="did not move up"):  # the same trace twice: nothing moved
-        check_changed_part(baseline, baseline, "computation", "up")
+    assert check_changed_part(baseline, memory_trace, "computation", "up") is True  # it gained the share
+    capsys.readouterr()
+    for part, direction in (("communication", "up"), ("computation", "down"), ("data loading", "down"),
+                            ("other", "up"), ("other", "down")):  # fmt: skip
+        with pytest.raises(ExerciseError, match=f"{part} {direction} is not what your variant does"):
+            check_changed_part(baseline, memory_trace, part, direction)
+    assert "variant " not in capsys.readouterr().out  # a wrong answer does not print the shares
+    with pytest.raises(ExerciseError, match="your variant still spends .* in communication"):
+        check_changed_part(baseline, baseline, "communication", "down")  # a DP=2 "variant": nothing vanished
     with pytest.raises(ValueError, match="part must be one of"):
         check_changed_part(baseline, memory_trace, "kernels", "up")

@@ -144,19 +144,22 @@ def wait_for_iteration(job: Job, iteration: int, timeout: float = 300) -> int:
         time.sleep(0.05)
 
 
-def wait_for_attempt(job: Job, number: int, timeout: float = 300) -> float:
+def wait_for_attempt(job: Job, number: int, timeout: float = 300, since: float | None = None) -> float:
     """Poll until the ``number``-th training attempt in the job's log has logged an iteration; return
-    the seconds waited. Called right after a kill, that is the **restart cost** R: the failure
-    noticed, the agents' new rendezvous, fresh processes (imports, process groups, the checkpoint
-    loaded) and one iteration."""
+    the seconds from ``since`` (a ``time.monotonic()`` taken at the kill; default: this call) to
+    when the poll first saw it (within 0.05 s). Timed from the kill, and called at once after it
+    (the log has no clock: an attempt already logged when the poll starts is timed to the poll), that
+    is the **restart cost** R: the failure noticed, the agents' new rendezvous, fresh processes
+    (imports, process groups, the checkpoint loaded) and one iteration."""
     from distlab.logs.restarts import attempts
 
     start = time.monotonic()
+    since = start if since is None else since
     deadline = start + timeout
     while True:
         runs = attempts(job.log())
         if len(runs) >= number and runs[number - 1].losses:
-            return time.monotonic() - start
+            return time.monotonic() - since
         if refresh(job).state.split()[0] in FINAL_STATES or time.monotonic() > deadline:
             raise RuntimeError(
                 f"job {job.id} is {job.state} and its log shows {len(runs)} attempt(s), not {number}"

@@ -53,6 +53,7 @@ from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
 from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward, describe
 from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size, vocab_padding_message
+from distlab.gpt.tensor_parallel.rng_tracker import model_parallel_manual_seed
 from distlab.gpt.training import log
 from distlab.gpt.training.flops import flops_line
 from distlab.gpt.training.training import LocalBackend, forward_backward, micro_batches, train_step
@@ -307,9 +308,10 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
 
 def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
     """This rank's stage and tensor-parallel shard of the GPT (whole with DTensor TP: split later)."""
-    # dropout; the weights come from init_parameters. With SP each tp rank drops out its own
-    # positions: its own stream (Megatron's model-parallel RNG), not tp copies of one mask
-    torch.manual_seed(args.seed + 100 * state.pp_rank + (state.tp_rank if args.sequence_parallel else 0))
+    # dropout; the weights come from init_parameters. Megatron's two streams (rng_tracker.py):
+    # the default one alike on the tp ranks, the model-parallel one (+ 2718 + tp_rank) for what
+    # each tp rank holds alone (its heads; with SP its positions)
+    model_parallel_manual_seed(args.seed + 100 * state.pp_rank, state.tp_rank)
     cfg = GPTConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

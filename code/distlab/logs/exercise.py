@@ -3,8 +3,9 @@
 A run is right when its banner is that of the asked layout (world size = dp x tp x pp) and its
 last iteration line was printed (``iteration n/ n``): the job trained to the end. Notebook 05's
 pipelined run must also have the asked micro batch b and the fewest micro-batches per step m
-with (p - 1)/(m + p - 1) <= the asked bubble, and its timeline must show the bubble measured
-below the one-micro-batch bubble (p - 1)/p by more than :data:`BUBBLE_MARGIN`. Notebook 09's
+with (p - 1)/(m + p - 1) <= the asked bubble, decided by the log's m (its ``> global batch size``
+line), and its timeline must be that run's (m micro-batches over p stages); the bubble measured in
+the timeline is shown, not checked (:data:`BUBBLE_SPREAD`). Notebook 09's
 long-sequence run must also train on the asked sequence length (read from its iteration lines
 whatever the layout) and stay within a memory budget per rank (its ``> memory:`` line) with
 tensor parallelism inside a node.
@@ -20,11 +21,12 @@ from distlab.logs.formats import CONTEXT_PARALLEL, ITERATION
 from distlab.logs.megatron import banner_line, batch_arithmetic, layout_and_completion, parse_banner
 from distlab.logs.memory import prediction
 
-BUBBLE_MARGIN = 0.08
-"""How far below (p - 1)/p the measured bubble must fall. TP 2 x PP 2 on the local cluster's 2 shared
+BUBBLE_SPREAD = 0.13
+"""Why the measured bubble is shown and not checked. TP 2 x PP 2 on the local cluster's 2 shared
 cores (4 iterations, micro batch 2) measured 0.51-0.54 at m = 1, 0.30-0.33 at m = 2 and 0.21-0.34 at
 m = 8 (five runs, some beside other jobs): stage 1's logits make it the slower stage, and ranks
-waiting for a core idle. The measurement cannot tell m = 2 from m = 8 here; the log's m can."""
+waiting for a core idle. The spread for one m (0.13) is larger than any margin that would still
+let m = 8 pass, and the measurement cannot tell m = 2 from m = 8; the log's m can."""
 
 HINT = (
     "world size = data-parallel x tensor-parallel x pipeline-parallel: with 2 nodes x 2 processes, "
@@ -54,8 +56,9 @@ def check_pipeline_run(
 ) -> bool:
     """``check`` notebook 05's pipelined run from its log ``text`` and its ``--pipeline-timeline``
     file (None: not submitted yet): micro batch ``micro_batch``, the fewest micro-batches per
-    step whose bubble is at most ``max_bubble``, and a measured bubble that fell below (p - 1)/p
-    by more than :data:`BUBBLE_MARGIN` in a timeline of those m micro-batches."""
+    step whose bubble is at most ``max_bubble`` (the log's m), and a timeline of that run (its m
+    micro-batches over the log's p stages). The measured bubble is printed beside (p - 1)/(m + p - 1),
+    not checked: on shared cores it moves by more than m changes it (:data:`BUBBLE_SPREAD`)."""
     if text is None or timeline is None:
         return check("the pipelined run", FIXME, ok=bool)
     batch, p = batch_arithmetic(text), parse_banner(text).pp
@@ -74,15 +77,18 @@ def check_pipeline_run(
         "then global batch = micro batch x DP x m",
     )
     tl = load_timeline(timeline)
-    limit = (p - 1) / p - BUBBLE_MARGIN
-    return check(
-        "measured bubble",
-        round(tl["measured_bubble"], 3),
-        ok=lambda b: tl["microbatches"] == m and b < limit,
-        hint=f"the timeline {timeline} holds {tl['microbatches']} micro-batches per step (the log "
-        f"{m}); a run of {m} measures its bubble below {limit:.2f}, far from one micro-batch's "
-        f"(p - 1)/p: is the timeline this run's? Plot it",
+    ok = check(
+        "the run's timeline (stages, micro-batches per step)",
+        (tl["stages"], tl["microbatches"]),
+        expected=(p, m),
+        hint=f"the timeline {timeline} is not this run's ({p} stages, {m} micro-batches per step in its "
+        "log): does --pipeline-timeline name the file the check reads, and did this run write it?",
     )
+    print(
+        f"measured bubble {tl['measured_bubble']:.2f} of the last step (shown, not checked), against "
+        f"(p - 1)/(m + p - 1) = {theoretical_bubble(p, m):.2f} and one micro-batch's (p - 1)/p = {(p - 1) / p:.2f}"
+    )
+    return ok
 
 
 def trained_sequence_length(text: str) -> tuple[float, float] | None:

@@ -1,14 +1,27 @@
 """Which global rank sits on which node, and which TP / PP / DP groups it belongs to.
 
-Hosts come from the job itself: ``srun --label hostname`` with one task per rank prints
-``<task>: <host>`` and Slurm's task id is the rank the one-task-per-rank launch uses
-(``SLURM_PROCID``). Coordinates come from the run's memory report (``[rank r tp t pp p dp d]``);
-the groups are those of the engine's own layout (``Layout``, Megatron's tp-dp-pp order).
+Hosts come from the job itself, in one of two ways:
+
+* one task per rank (``srun python pretrain_gpt.py``): ``srun --label hostname`` prints
+  ``<task>: <host>``, and Slurm's task id is the rank that launch uses (``SLURM_PROCID``);
+* torchrun: its rendezvous, not Slurm, numbers the ranks (node rank x nproc-per-node + local
+  rank, the node ranks in the order the agents joined), so each rank prints its own host:
+  ``torchrun ... -m distlab.logs.placement pretrain_gpt.py ARGS`` prints
+  ``> rank <r> on <host> (torchrun node rank <n>, local rank <l>)`` and runs the script. The
+  engine's own ``> rank <r> on <host>: <NCCL_*/GLOO_* settings>`` lines, printed when such
+  variables are set, are read the same way.
+
+Coordinates come from the run's memory report (``[rank r tp t pp p dp d]``); the groups are
+those of the engine's own layout (``Layout``, Megatron's tp-dp-pp order).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import runpy
+import socket
+import sys
 
 from distlab.gpt.layout import Layout
 from distlab.logs.megatron import memory_rows, parse_banner, split_runs
@@ -16,9 +29,25 @@ from distlab.logs.megatron import memory_rows, parse_banner, split_runs
 LABELLED_HOST_RE = re.compile(r"^\s*(\d+): (\S+)\s*$")
 
 
+RANK_HOST_RE = re.compile(r"^> rank (\d+) on (\S+?)(?::| \(|$)")
+
+
+def rank_host_line(env: dict[str, str] | None = None) -> str:
+    """This process's ``> rank <r> on <host> (torchrun node rank <n>, local rank <l>)`` line,
+    from the variables torchrun gives its workers (``RANK``, ``GROUP_RANK``, ``LOCAL_RANK``)."""
+    env = os.environ if env is None else env
+    return (
+        f"> rank {env['RANK']} on {socket.gethostname()} "
+        f"(torchrun node rank {env.get('GROUP_RANK', '?')}, local rank {env.get('LOCAL_RANK', '?')})"
+    )
+
+
 def rank_hosts(text: str) -> dict[int, str]:
-    """task id -> host from ``srun --label hostname`` lines (``0: node1``)."""
-    return {int(m[1]): m[2] for m in map(LABELLED_HOST_RE.match, text.splitlines()) if m}
+    """rank -> host, from ``srun --label hostname`` lines (``0: node1``: task id = rank) and from
+    ``> rank <r> on <host>`` lines (printed by the rank itself; these win)."""
+    lines = text.splitlines()
+    hosts = {int(m[1]): m[2] for m in map(LABELLED_HOST_RE.match, lines) if m}
+    return hosts | {int(m[1]): m[2] for m in map(RANK_HOST_RE.match, lines) if m}
 
 
 def placement_rows(text: str) -> list[dict]:
@@ -49,3 +78,19 @@ def format_placement(rows: list[dict]) -> str:
             f"{str(r['tp_group']):<10}{str(r['pp_group']):<10}{str(r['dp_group']):<10}"
         )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m distlab.logs.placement SCRIPT [ARGS]``: print :func:`rank_host_line`, then run
+    SCRIPT with ARGS as ``python SCRIPT ARGS`` would (``torchrun ... -m distlab.logs.placement``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        raise SystemExit("usage: python -m distlab.logs.placement SCRIPT [ARGS...] (under torchrun)")
+    print(rank_host_line(), flush=True)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as python SCRIPT does
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -36,6 +36,7 @@ from torch import nn
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
 #: Arguments a checkpoint must agree on to be loaded.
@@ -64,19 +65,25 @@ def rank_file(folder: str, state: ParallelState) -> str:
 
 
 def rng_state() -> dict:
-    """This process's generators: torch (and CUDA), NumPy, Python."""
+    """This process's generators: torch (and CUDA), NumPy, Python, and the model-parallel
+    stream of ``rng_tracker`` (Megatron's ``rng_tracker_states``)."""
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
+    rng["tracker"] = get_rng_tracker().get_states()
     return rng
 
 
-def set_rng_state(rng: dict) -> None:
+def set_rng_state(rng: dict, *, tracker: bool = True) -> None:
+    """Restore :func:`rng_state`; ``tracker=False`` keeps this process's model-parallel stream
+    (another tp rank's saved one would repeat that rank's masks)."""
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+    if tracker and "tracker" in rng:  # checkpoints written before the tracker have none
+        get_rng_tracker().set_states(rng["tracker"])
 
 
 def save_checkpoint(

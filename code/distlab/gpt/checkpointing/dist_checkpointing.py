@@ -200,8 +200,8 @@ def load_checkpoint(
     if with_optimizer:
         set_optimizer_state_dict(model, optimizer, state_dict["optimizer"], options=OPTIONS)
     rngs, (tp_rank, pp_rank, _) = common["rng"], _coords(state)
-    # new dp ranks: dp 0's; new tp ranks too: tp 0's
-    checkpointing.set_rng_state(
-        rngs.get(_coords(state)) or rngs.get((tp_rank, pp_rank, 0)) or rngs[(0, pp_rank, 0)]
-    )
+    # new dp ranks: dp 0's; new tp ranks too: tp 0's default stream, but their own model-parallel
+    # stream (tp 0's would repeat its attention-dropout masks)
+    own = rngs.get(_coords(state)) or rngs.get((tp_rank, pp_rank, 0))
+    checkpointing.set_rng_state(own or rngs[(0, pp_rank, 0)], tracker=own is not None)
     return common["iteration"], common["consumed_samples"], common["scaler"]

@@ -25,6 +25,12 @@ gradients everywhere); with SP the residual stream between blocks is this rank's
 slice: ``layers.<first>`` cuts it from the replicated embedding output (backward: one all-gather),
 ``ln_f`` gathers it back (one all-gather forward).
 
+Dropout (``rng_tracker.py``): the embeddings' output is replicated, so its dropout draws one mask
+from the default stream, the same on every tp rank, before the cut (each rank keeps its slice of
+it; the embeddings' gradient, all-gathered by the cut's backward, is then the same on every tp
+rank). Inside the blocks, each rank's heads and, with SP, its T / p positions of the residual
+stream draw from the model-parallel stream (:func:`parallelize` marks the blocks).
+
 The mesh: one ``DeviceMesh`` of the validated :class:`~distlab.gpt.layout.Layout`, its dimensions
 :data:`~distlab.gpt.layout.ORDER` slowest first (``("pp", "dp", "tp")``): row-major rank order is
 then Megatron's, so ``mesh["tp"]`` holds the same ranks as ``state.tp_group`` and ``mesh["dp"]``
@@ -162,6 +168,8 @@ def parallelize(
     plan = gpt_plan(model, sequence_parallel=sequence_parallel) if plan is None else plan
     check_plan(model, plan, tp_mesh.size())
     parallelize_module(model, tp_mesh, plan)
+    for block in model.layers.values():  # SP: the residual stream is this rank's T / p positions,
+        block.sequence_parallel = sequence_parallel  # dropped out from the model-parallel stream
     return plan
 
 

@@ -171,7 +171,9 @@ class FSDP2Backend:
 
     Under FSDP, micro-batches ``0 .. m - 2`` run with ``set_requires_gradient_sync(False)``: their
     full gradients accumulate unsharded (in fp32 under the bf16 policy), and the last one
-    reduce-scatters the sum, once per block and step. DTensor TP alone has dp = 1 (``arguments.py``).
+    reduce-scatters their sum, once per block and step: each rank keeps its rows of the mean over
+    the dp ranks (FSDP2's default divides the reduced sum by dp). DTensor TP alone has dp = 1
+    (``arguments.py``).
     """
 
     def __init__(self, model: GPTModel, optimizer: torch.optim.Optimizer, *, clip_grad: float) -> None:

@@ -16,7 +16,27 @@ the first and the last stage's rank, ``gradients.py``'s tied-embedding sum), the
 Notebook 05's hand-written GPipe and 1F1B (``pipeline_parallel.py``) do the same with named
 communication steps; here PyTorch's schedule objects do. :func:`compare_schedules` runs both on
 the same batches, timing each step, with the hand-written engine's measured bubble
-(``pipeline_timeline``: 1 - busy / (p x span) of the last step).
+(``pipeline_timeline``: 1 - busy / (p x span) of the last step) and, for the interleaved
+schedules, the ideal bubble of the action order PyTorch's schedule object runs (:func:`ideal_bubble`).
+
+The ideal bubble, in Qi et al.'s model (Zero Bubble Pipeline Parallelism, arXiv 2401.10241, ICLR
+2024): a stage's backward is split into B, the input gradient (PyTorch's ``I``), and W, the weight
+gradient; T_F = T_B = T_W = 1 per chunk, messages free, one synchronised step. Each of p ranks
+computes 3 v m units; the step lasts 3 v m + (idle units), and
+
+    GPipe, 1F1B                (p - 1) / (m + p - 1)         idle 3 (p - 1): F + B + W per stage
+    interleaved 1F1B           (p - 1) / (v m + p - 1)       idle 3 (p - 1) chunk units
+    interleaved zero-bubble    (p - 1) / (3 v m + p - 1)     idle p - 1 chunk units
+
+(the orders torch 2.14's interleaved schedules run give exactly these, :func:`order_bubble`:
+``tests/test_gpt_torch_pipelining.py``).
+The zero-bubble line is Qi et al.'s ZB-H1 bubble (p - 1)(T_F + T_B - T_W), one third of 1F1B's,
+over v chunks: ``ScheduleInterleavedZeroBubble`` is their ZB1P, whose W passes fill the drain but
+whose in-flight micro-batches (1F1B's memory) leave the ramp. No bubble at all needs both more and
+less than this schedule: more warm-up forwards (ZB-H2/ZB2P, up to 2p - 1 micro-batches of
+activations) or a V placement (ZBV, PyTorch's ``ScheduleZBVZeroBubble``), equal T_F, T_B and T_W,
+and no synchronisation at the optimizer step (their post-validation of the gradient norm and the
+inf/nan check), so that one step's drain overlaps the next step's fill.
 """
 
 from __future__ import annotations
@@ -24,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -61,6 +82,64 @@ SCHEDULES = {
 }
 #: Notebook 05's hand-written schedules (``pipeline_parallel.py``): name -> (its schedule, v).
 HAND_WRITTEN = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b": ("1f1b", 2)}
+
+
+#: Cost of PyTorch's compute actions in units of T_F = T_B = T_W: forward, input gradient (Qi et
+#: al.'s B), weight gradient (W), and the full backward of the other schedules (B + W).
+ACTION_UNITS = {"F": 1, "I": 1, "W": 1, "B": 2}
+_ACTION_RE = re.compile(r"^(\d+)([FIWB])(\d+)$")  # str(_Action): stage, kind, micro-batch ("2I0")
+
+
+def order_bubble(pipeline_order: dict[int, list]) -> float:
+    """1 - busy / (p x span) of a schedule's order run as fast as its dependencies allow.
+
+    ``pipeline_order``: rank -> its actions in order (a schedule object's ``pipeline_order``, or
+    their strings, ``"2F0"``: stage 2's forward of micro-batch 0); ``None`` and the
+    non-compute actions (REDUCE_GRAD, sends, receives) are skipped. Each compute action costs
+    :data:`ACTION_UNITS` and starts when its rank has finished the previous one and its input
+    exists: F of stage s after F of s - 1; I or B of stage s after I or B of s + 1 (the last
+    stage: after its own F); W after its I. Messages cost nothing. Raises ``ValueError`` on an
+    order that waits for itself.
+    """
+    actions = {
+        rank: [(int(m[1]), m[2], int(m[3])) for m in (_ACTION_RE.match(str(a)) for a in acts if a) if m]
+        for rank, acts in pipeline_order.items()
+    }
+    kinds = {(s, mb): k for acts in actions.values() for s, k, mb in acts if k in "IB"}  # backward kind
+    last = max(s for acts in actions.values() for s, _, _ in acts)
+
+    def inputs(s: int, kind: str, mb: int) -> list[tuple[int, str, int]]:
+        if kind == "F":
+            return [(s - 1, "F", mb)] if s > 0 else []
+        if kind == "W":
+            return [(s, "I", mb)]
+        return [(s, "F", mb)] + ([(s + 1, kinds.get((s + 1, mb), "B"), mb)] if s < last else [])
+
+    end: dict[tuple[int, str, int], float] = {}
+    free, done = dict.fromkeys(actions, 0.0), dict.fromkeys(actions, 0)
+    moved = True
+    while moved:
+        moved = False
+        for rank, acts in actions.items():
+            while done[rank] < len(acts) and all(d in end for d in inputs(*acts[done[rank]])):
+                s, kind, mb = acts[done[rank]]
+                start = max([free[rank]] + [end[d] for d in inputs(s, kind, mb)])
+                end[s, kind, mb] = free[rank] = start + ACTION_UNITS[kind]
+                done[rank] += 1
+                moved = True
+    stuck = {rank: acts[done[rank]] for rank, acts in actions.items() if done[rank] < len(acts)}
+    if stuck:
+        raise ValueError(f"the order waits for itself: next actions {stuck}")
+    busy = sum(ACTION_UNITS[k] for acts in actions.values() for _, k, _ in acts)
+    return 1.0 - busy / (len(actions) * max(free.values()))
+
+
+def ideal_bubble(schedule: PipelineScheduleSingle | PipelineScheduleMulti) -> float | None:
+    """:func:`order_bubble` of the order a multi-stage schedule's ``step`` runs (its
+    ``pipeline_order``), None for ``ScheduleGPipe`` and ``Schedule1F1B``: their ``step`` runs a
+    loop of its own, and their ``pipeline_order`` only describes it (in torch 2.14 the 1F1B one
+    even skips stage 1's micro-batch 0); their bubble is the closed form (p - 1)/(m + p - 1)."""
+    return order_bubble(schedule.pipeline_order) if isinstance(schedule, PipelineScheduleMulti) else None
 
 
 class StageModule(nn.Module):
@@ -179,8 +258,13 @@ def _schedules_rank(rank: int, port: int, cfg: GPTConfig, batches: list, m: int,
     for name in SCHEDULES:
         stages = build_stages(cfg, name, ctx.device)
         step_s: list[float] = []
-        losses = train_steps(stages, build_schedule(stages, name, m), batches, 1e-2, step_s)
-        results["torch"][name] = {"losses": losses, "step_ms": [1000 * s for s in step_s]}
+        schedule = build_schedule(stages, name, m)
+        losses = train_steps(stages, schedule, batches, 1e-2, step_s)
+        results["torch"][name] = {
+            "losses": losses,
+            "step_ms": [1000 * s for s in step_s],
+            "ideal_bubble": ideal_bubble(schedule),
+        }
     for name in HAND_WRITTEN:
         results["hand_written"][name] = hand_written_steps(cfg, name, batches, m, 1e-2)
     if rank == 1:  # the last stage's rank
@@ -190,7 +274,8 @@ def _schedules_rank(rank: int, port: int, cfg: GPTConfig, batches: list, m: int,
 
 def compare_schedules(cfg: GPTConfig, batches: list, num_micro_batches: int) -> dict:
     """Every schedule on 2 spawned gloo ranks, PyTorch's and the engine's: ``{"torch": {name:
-    {"losses", "step_ms"}}, "hand_written": {name: {"losses", "step_ms", "bubble"}}}``, per step."""
+    {"losses", "step_ms", "ideal_bubble"}}, "hand_written": {name: {"losses", "step_ms",
+    "bubble"}}}``, per step; ``ideal_bubble`` is :func:`ideal_bubble` (None for GPipe and 1F1B)."""
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(
             _schedules_rank, args=(free_port(), cfg, batches, num_micro_batches, out), nprocs=2, join=True

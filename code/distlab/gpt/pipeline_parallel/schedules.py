@@ -5,14 +5,16 @@ split into ``m`` micro-batches. Stage ``s`` receives its input (b, T, H) from st
 sends its output to ``s+1``, and in backward receives the output's gradient from ``s+1`` and
 sends the input's gradient to ``s-1``. F_i / B_i are the forward / backward of micro-batch i::
 
-    GPipe  stage 0: F0 F1 F2 F3 .. .. .. .. .. .. B0 B1 B2 B3     all forwards, then all backwards
-    (p=2)  stage 1: .. F0 F1 F2 F3 B0 B1 B2 B3 .. .. .. .. ..     m activations alive per stage
-    1F1B   stage 0: F0 F1 .. B0 F2 B1 F3 B2 .. B3                 p - s - 1 warm-up forwards, then
-    (p=2)  stage 1: .. F0 B0 F1 B1 F2 B2 F3 B3                    one forward, one backward
-                                                                  at most p - s activations alive
+    GPipe  stage 0: F0 F1 F2 F3 .. .. B0 B1 B2 B3     all forwards, then all backwards
+    (p=2)  stage 1: .. F0 F1 F2 F3 B0 B1 B2 B3 ..     m activations alive per stage
+    1F1B   stage 0: F0 F1 .. B0 F2 B1 F3 B2 .. B3     p - s - 1 warm-up forwards, then
+    (p=2)  stage 1: .. F0 B0 F1 B1 F2 B2 F3 B3 ..     one forward, one backward;
+                                                      at most p - s activations alive
 
-Both leave the same idle time (the bubble), a fraction ``(p-1)/(m+p-1)`` of the step when all
-F and all B take the same time; 1F1B's gain is memory. Both compute the same gradients: each is
+(m = 4, one slot per F or B.) Both leave the same idle time (the bubble): here 2 of each stage's
+10 slots, and in general a fraction ``(p-1)/(m+p-1)`` of the step when all F and all B take the
+same time; 1F1B's gain is memory (``tests/test_gpt_pipeline_diagram.py`` replays both orders slot
+by slot and compares them with these lines). Both compute the same gradients: each is
 the sum over micro-batches of ``d(loss_i / m)``, accumulated in ``.grad``.
 
 Interleaved 1F1B (``chunks = v > 1``, ``pipeline_interleaved.py``): each rank holds v chunks

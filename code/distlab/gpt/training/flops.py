@@ -53,7 +53,7 @@ PEAK_TFLOPS = {
 }
 
 
-CONVENTION = "causal attention counted in full, s/(6h) (Megatron-LM since 2025: s/(12h))"
+CONVENTION = "causal attention counted in full: s/(6h); Megatron-LM since 2025 counts half: s/(12h)"
 """How the log's TFLOP/s and MFU count attention (printed once at start-up by :func:`flops_line`)."""
 
 
@@ -136,11 +136,24 @@ def device_peak_tflops(device: torch.device) -> float | None:
 
 
 def measure_gemm_tflops(
-    device: torch.device, size: int = 1024, rounds: int = 3, min_time_s: float = 0.2
+    device: torch.device,
+    size: int = 1024,
+    rounds: int = 3,
+    min_time_s: float = 0.2,
+    threads: int | None = None,
 ) -> float:
     """Achieved TFLOP/s of ``(size x size) @ (size x size)`` matmuls on ``device`` (fp32 on a CPU,
     bf16 on a GPU, as the runs compute), the best of ``rounds`` timed rounds of at least
-    ``min_time_s`` each, after one warm-up product. On a CPU it uses torch's current thread count."""
+    ``min_time_s`` each, after one warm-up product. On a CPU it uses ``threads`` intra-op threads
+    (torch's thread count is restored after), or torch's current thread count when None: a job's
+    peak is that of the threads its ranks ran with, not of every core."""
+    if threads is not None and device.type == "cpu":
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return measure_gemm_tflops(device, size, rounds, min_time_s)
+        finally:
+            torch.set_num_threads(before)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)

@@ -44,6 +44,12 @@ probabilities); ``--recompute-granularity selective`` checkpoints the core atten
 block, ``full`` checkpoints groups of whole blocks (:func:`~distlab.gpt.transformer.recompute.checkpoint_groups`).
 Every choice computes the same loss.
 
+Dropout (``rng_tracker.py``, Megatron's two random streams): what the tp ranks hold alike (the
+(b, T, H) hidden states after ``g``, the embeddings' output) is dropped out with the default
+stream, the same mask on every tp rank; what each holds alone (its heads' attention
+probabilities; with SP its T / tp positions: the whole block and the embeddings' dropout) with
+the model-parallel stream. Recomputation replays both.
+
 Initialisation (:func:`init_parameters`, the only one): every unsharded tensor is drawn from a
 generator seeded by ``(--seed, the parameter's global name)`` and cut with
 ``tensor_parallel.shard`` along its ``partition_dim``. Every layout starts from the same weights.
@@ -58,7 +64,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_attention, ring_of
 from distlab.gpt.layout import context_dropout_error, raise_errors, sequence_parallel_error
@@ -74,6 +79,7 @@ from distlab.gpt.tensor_parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 from distlab.gpt.tensor_parallel.mappings import gather_from_tensor_parallel
+from distlab.gpt.tensor_parallel.rng_tracker import checkpoint, fork_if
 from distlab.gpt.transformer.recompute import (
     ATTENTION_BACKENDS,
     EXPLICIT_BACKENDS,
@@ -167,7 +173,7 @@ class SelfAttention(nn.Module):
         # n/tp heads: as many as the output holds (DTensor's ColwiseParallel shards an unsharded layer)
         q, k, v = qkv.view(b, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
-            y = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+            y = checkpoint(self.core_attention, q, k, v)  # replays both random streams
         else:
             y = self.core_attention(q, k, v)
         y = y.transpose(1, 2).flatten(2)  # (b, T, H/tp)
@@ -179,9 +185,10 @@ class SelfAttention(nn.Module):
         if self.ring is not None:
             return ring_attention(q, k, v, self.ring)
         p = self.dropout if self.training else 0.0
-        if self.explicit:
-            return unfused_attention(q, k, v, p)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # stores no scores
+        with fork_if(p > 0):  # this rank's heads: masks from the model-parallel stream (Megatron's)
+            if self.explicit:
+                return unfused_attention(q, k, v, p)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # stores no scores
 
 
 class MLP(nn.Module):
@@ -218,13 +225,20 @@ class Block(nn.Module):
             ep_group = state.ep_group if ep > 1 else None
             self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, ep_group=ep_group, ep=ep, ep_rank=ep_rank)
         self.drop = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+        #: The residual stream is this rank's T / tp positions (SP, this engine's or DTensor's,
+        #: which sets it): its dropout draws from the model-parallel stream, as Megatron forks the
+        #: whole block under SP. Else the hidden dropout after g draws from the default stream,
+        #: the same mask on every tp rank, as the (b, T, H) it drops out is.
+        self.sequence_parallel = cfg.sequence_parallel
         if cfg.sequence_parallel:
             for p in (*self.ln1.parameters(), *self.ln2.parameters()):
                 mark_sequence_parallel(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, T, H) -> (b, T, H); T/tp with SP
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        with fork_if(self.sequence_parallel and self.dropout and self.training):
+            x = x + self.drop(self.attn(self.ln1(x)))
+            return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class GPTModel(nn.Module):
@@ -310,13 +324,17 @@ class GPTModel(nn.Module):
             else:
                 first = self.sp_rank * h.shape[1]  # SP: my positions start at tp_rank x T/tp
                 pos = torch.arange(first, first + h.shape[1], device=tokens.device)
-            h = self.drop(h + self.wpe(pos))  # (b, T, H) or (b, T/tp, H)
+            # SP: this rank's T/tp positions, from the model-parallel stream (Megatron drops out
+            # after the scatter); else (b, T, H), alike on the tp ranks, from the default stream
+            sharded = self.cfg.sequence_parallel and self.cfg.hidden_dropout > 0 and self.training
+            with fork_if(sharded):
+                h = self.drop(h + self.wpe(pos))  # (b, T, H) or (b, T/tp, H)
         else:
             h = self.input_tensor
         blocks = list(self.layers.values())[chunk * self.per_chunk : (chunk + 1) * self.per_chunk]
         for first, end, checkpointed in self.groups:  # full recomputation: keep each group's input only
             if checkpointed and self.training:
-                h = checkpoint(_run_blocks, blocks[first:end], h, use_reentrant=False)
+                h = checkpoint(_run_blocks, blocks[first:end], h)  # replays both random streams
             else:
                 h = _run_blocks(blocks[first:end], h)
         if not (self.is_last and chunk == self.chunks - 1):
