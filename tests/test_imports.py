@@ -201,3 +201,14 @@ def test_no_gpt_module_is_over_the_line_limit() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+def test_the_package_docstring_maps_the_layers_in_order() -> None:
+    import distlab.gpt
+
+    doc = distlab.gpt.__doc__
+    entries = [
+        line.split()[0] for line in doc.splitlines() if line.startswith("    ") and line[4:5].isalpha()
+    ]
+    mapped = [e.removesuffix(".py").removesuffix("/") for e in entries if e.endswith((".py", "/"))]
+    assert mapped == list(LAYERS), f"distlab/gpt/__init__.py's map {mapped} is not LAYERS {list(LAYERS)}"
