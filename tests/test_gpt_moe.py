@@ -1,4 +1,4 @@
-"""Mixture of experts and expert parallelism (``moe.py``, ``expert_parallel.py``).
+"""Mixture of experts and expert parallelism (``moe/moe_layer.py``, ``moe/expert_parallel.py``).
 
 Router, load-balancing loss and capacity against hand computations; dispatch and combine over
 gloo with uneven splits; a tiny MoE GPT trained 3 steps with ep = 2 and ep = 4 (dp = 4, fp32,

@@ -1,4 +1,4 @@
-"""``--torch-compile`` (``torch_compile.py``): compiled blocks train to the eager losses.
+"""``--torch-compile`` (``native/torch_compile.py``): compiled blocks train to the eager losses.
 
 The tiny GPT (2 blocks) trains 4 iterations on 2 gloo ranks (data parallel), eager and with every
 block compiled by inductor, on the same batches. Inductor generates its own C++ loops for the

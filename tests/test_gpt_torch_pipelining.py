@@ -1,4 +1,4 @@
-"""``torch.distributed.pipelining`` on the course's GPT (``torch_pipelining.py``): every schedule
+"""``torch.distributed.pipelining`` on the course's GPT (``native/torch_pipelining.py``): every schedule
 on 2 gloo ranks gives the losses of one process.
 
 A 4-block GPT trains 2 AdamW steps on batches of 8 (4 micro-batches of 2) with GPipe, 1F1B

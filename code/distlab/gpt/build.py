@@ -128,7 +128,8 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     """Groups, data, model, optimizer and schedule, printing Megatron's start-up lines."""
     state = ParallelState.build(layout, timeout_s=60 * args.distributed_timeout_minutes)
     precision = Precision.from_args(args)
-    # torch.distributed.fsdp only for runs that use it: imported, it changes DeepSpeed (checkpointer.py)
+    # torch.distributed.fsdp only for runs that use it: imported, it changes DeepSpeed
+    # (checkpointing/checkpointer.py)
     mesh_run = args.use_torch_fsdp2 or (args.tensor_parallel_impl == "dtensor" and layout.tp > 1)
     fsdp2 = importlib.import_module("distlab.gpt.native.fsdp2") if mesh_run else None
     rank0, device = state.rank == 0, ctx.device
@@ -308,7 +309,7 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
 
 def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
     """This rank's stage and tensor-parallel shard of the GPT (whole with DTensor TP: split later)."""
-    # dropout; the weights come from init_parameters. Megatron's two streams (rng_tracker.py):
+    # dropout; the weights come from init_parameters. Megatron's two streams (tensor_parallel/rng_tracker.py):
     # the default one alike on the tp ranks, the model-parallel one (+ 2718 + tp_rank) for what
     # each tp rank holds alone (its heads; with SP its positions)
     model_parallel_manual_seed(args.seed + 100 * state.pp_rank, state.tp_rank)

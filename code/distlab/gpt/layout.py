@@ -238,7 +238,7 @@ class Layout:
         self, *, num_layers: int, num_attention_heads: int, hidden_size: int, seq_length: int | None = None
     ) -> None:
         """Heads and hidden size must split over ``tp``, layers over ``pp``, the sequence into
-        ``2 cp`` chunks (the load-balanced causal split of ``context_parallel.py``) and, with
+        ``2 cp`` chunks (the load-balanced causal split of ``context_parallel/ring_attention.py``) and, with
         sequence parallelism, over ``tp``."""
         errors = []
         if seq_length is not None and (error := context_chunks_error(seq_length, self.cp)):

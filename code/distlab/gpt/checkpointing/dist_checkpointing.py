@@ -21,7 +21,7 @@ loads, whatever their sharding: each rank asks for its chunks and DCP reads the 
 of the saved ones (2 FSDP2 ranks -> 1 plain rank: both files' rows); ``set_state_dict``'s halves
 put them in the model and the optimizer. Pipeline stages save different names (``wte.weight`` on
 the first, ``output_weight`` on the last), so pp works too, with the same pp on load. The
-hand-written tensor parallelism is refused (``arguments.py``): its shards are plain tensors of one
+hand-written tensor parallelism is refused (``arguments/``): its shards are plain tensors of one
 name on every tp rank, which DCP would take for replicas. DTensor's (``--tensor-parallel-impl
 dtensor``) are DTensors: a checkpoint of FSDP2 over 4 ranks loads into TP 2 (x FSDP2), or 1 rank.
 

@@ -10,7 +10,7 @@ The run decides the batch keys the file leaves out; the ones it gives must agree
 ``fp16`` or ``bf16`` section that is enabled is refused (the engine's own ``--fp16`` runs the same
 dynamic loss scaling, Megatron's flags for DeepSpeed's ``initial_scale_power``,
 ``loss_scale_window`` and ``hysteresis``). The runtime
-(``deepspeed.initialize`` and the step) is in ``deepspeed_engine.py``.
+(``deepspeed.initialize`` and the step) is in ``engine.py``.
 """
 
 from __future__ import annotations

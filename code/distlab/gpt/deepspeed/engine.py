@@ -10,7 +10,7 @@ each rank, for K bytes of optimizer state per parameter (Adam in fp32: K = 8)::
 
 ``offload_optimizer`` keeps the optimizer state (and its step) on the CPU; ``offload_param``
 (stage 3) the parameters too. The config and its batch rule are checked before anything starts
-(``deepspeed_config.py``).
+(``config.py``).
 
 The run's own AdamW (``optimizer.build_optimizer``) is handed to DeepSpeed, so its compiled
 CPU Adam is not needed (no compiler run) and every stage updates exactly as the plain run does.

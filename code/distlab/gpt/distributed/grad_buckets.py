@@ -33,7 +33,7 @@ from distlab.gpt.parallel_state import ParallelState
 
 
 def is_expert(p: nn.Parameter) -> bool:
-    """An expert's parameter (``moe.py`` marks them): with ep > 1 reduced over its own group
+    """An expert's parameter (``moe/moe_layer.py`` marks them): with ep > 1 reduced over its own group
     (``gradients.reduce_gradients``), not in the buckets."""
     return getattr(p, "expert_parallel", False)
 

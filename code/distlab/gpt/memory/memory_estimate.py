@@ -47,7 +47,7 @@ term is divided by t::
     autocast fp16/bf16     sbh (36) / t         sbh (36 + 6 as/h) / t
 
 as Korthikanti's sbh (10 + 24/t + 5as/(ht)) with tp alone becomes sbh/t (34 + 5as/h) with SP.
-PyTorch's DTensor plan (``--tensor-parallel-impl dtensor``, ``dtensor_parallel.py``) gathers the
+PyTorch's DTensor plan (``--tensor-parallel-impl dtensor``, ``native/dtensor_parallel.py``) gathers the
 LayerNorm output once, before qkv and fc1, and autograd keeps that gathered DTensor for their weight
 gradients: the 2 sbh of LN outputs stay whole (fp32 with SP at t = 2: 4 sbh (18) against Megatron's
 4 sbh (16)), for 2 fewer all-gathers per block in backward. Its embeddings and output layer are
@@ -55,7 +55,7 @@ whole on every tp rank (no vocab-parallel split), and so is the loss head.
 A checkpointed group's input (full recomputation) and the final LayerNorm's input and output
 are T / t of the sequence as well.
 
-**Recomputation** (``recompute.py``, Megatron's flags), per block and micro-batch::
+**Recomputation** (``transformer/recompute.py``, Megatron's flags), per block and micro-batch::
 
     none                     the block, as above
     selective                the block less its core attention's scores: 4 sbh (16) in fp32
@@ -74,7 +74,7 @@ a router (E h) and this rank's E / ep experts, (E / ep)(8 h^2 + 5 h): expert par
 gradients and optimizer state divide by ep. Activations are counted as the dense MLP's (the k
 routed copies of each token are not in the estimate).
 
-**Context parallelism** (``context_parallel.py``): a rank holds s / cp tokens of every sample,
+**Context parallelism** (``context_parallel/ring_attention.py``): a rank holds s / cp tokens of every sample,
 so every activation above counts s / cp instead of s, the loss head included: activation memory
 per rank falls as 1 / cp. Ring attention stores no scores (it recomputes them per block in
 backward, like fused attention), only q, k, v, its output and a log-sum-exp; the K/V blocks in
@@ -84,7 +84,7 @@ Gradients are all-reduced over dp x cp through one flat copy.
 **Pipelines**: a stage holds L / pp layers; the first stage keeps the activations of
 min(pp, M) micro-batches under 1F1B, of all M under GPipe.
 
-**Interleaved 1F1B** (v = ``vp`` chunks of L / (pp v) layers per rank, ``pipeline_interleaved.py``):
+**Interleaved 1F1B** (v = ``vp`` chunks of L / (pp v) layers per rank, ``pipeline_parallel/interleaved.py``):
 the first stage runs W = 2 (pp - 1) + (v - 1) pp warm-up chunk-forwards, then one more forward
 before its first backward, so at its peak it holds min(W + 1, v M) chunk-activations of
 L / (pp v) layers each. In units of one micro-batch through the whole stage (L / pp layers)::

@@ -1,11 +1,11 @@
 """Tensor and sequence parallelism with PyTorch's DTensor (``--tensor-parallel-impl dtensor``).
 
-The same split as ``tensor_parallel.py`` (Megatron-LM's, Shoeybi et al. 2019), declared instead
-of written: every block's four linear layers are built unsharded (``nn.Linear``), then
+The same split as ``tensor_parallel/layers.py`` (Megatron-LM's, Shoeybi et al. 2019), declared
+instead of written: every block's four linear layers are built unsharded (``nn.Linear``), then
 ``parallelize_module`` turns their weights into DTensors on the ``tp`` dimension of the mesh and
 inserts the collectives. With ``Y = GeLU(X A) C``, ``A = [A_1 .. A_p]`` by columns and ``C`` by rows::
 
-    hand-written (tensor_parallel.py)        parallelize_module plan (this file)
+    hand-written (tensor_parallel/layers.py) parallelize_module plan (this file)
     qkv, fc1 : ColumnParallelLinear, f       ColwiseParallel   weight Shard(0): X Replicate in,
                                              f's backward all-reduce = Partial -> Replicate of dX
     proj, fc2: RowParallelLinear, g          RowwiseParallel   weight Shard(1): Partial out,
@@ -25,11 +25,11 @@ gradients everywhere); with SP the residual stream between blocks is this rank's
 slice: ``layers.<first>`` cuts it from the replicated embedding output (backward: one all-gather),
 ``ln_f`` gathers it back (one all-gather forward).
 
-Dropout (``rng_tracker.py``): the embeddings' output is replicated, so its dropout draws one mask
-from the default stream, the same on every tp rank, before the cut (each rank keeps its slice of
-it; the embeddings' gradient, all-gathered by the cut's backward, is then the same on every tp
-rank). Inside the blocks, each rank's heads and, with SP, its T / p positions of the residual
-stream draw from the model-parallel stream (:func:`parallelize` marks the blocks).
+Dropout (``tensor_parallel/rng_tracker.py``): the embeddings' output is replicated, so its dropout
+draws one mask from the default stream, the same on every tp rank, before the cut (each rank keeps
+its slice of it; the embeddings' gradient, all-gathered by the cut's backward, is then the same on
+every tp rank). Inside the blocks, each rank's heads and, with SP, its T / p positions of the
+residual stream draw from the model-parallel stream (:func:`parallelize` marks the blocks).
 
 The mesh: one ``DeviceMesh`` of the validated :class:`~distlab.gpt.layout.Layout`, its dimensions
 :data:`~distlab.gpt.layout.ORDER` slowest first (``("pp", "dp", "tp")``): row-major rank order is

@@ -31,8 +31,8 @@ Megatron-LM's ``--use-torch-fsdp2`` (``TorchFullyShardedDataParallel``) shards t
 ``mesh["tp"]`` (``dtensor_parallel.py``): ``fully_shard`` over ``mesh["dp"]`` then shards them on
 the 2-D (dp, tp) mesh as well, torchtitan's FSDP x TP. Its refusals (pipeline parallelism, the
 hand-written TP, --fp16, --deepspeed, --save/--load in the legacy format: sharded states need
-``--ckpt-format torch_dist``, ``dist_checkpointing.py``) are checked with the other arguments, in
-``arguments.py``.
+``--ckpt-format torch_dist``, ``checkpointing/dist_checkpointing.py``) are checked with the other
+arguments, in ``arguments/backends.py``.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class FSDP2Backend:
     full gradients accumulate unsharded (in fp32 under the bf16 policy), and the last one
     reduce-scatters their sum, once per block and step: each rank keeps its rows of the mean over
     the dp ranks (FSDP2's default divides the reduced sum by dp). DTensor TP alone has dp = 1
-    (``arguments.py``).
+    (``arguments/backends.py``).
     """
 
     def __init__(self, model: GPTModel, optimizer: torch.optim.Optimizer, *, clip_grad: float) -> None:

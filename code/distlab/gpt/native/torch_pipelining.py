@@ -12,8 +12,8 @@ one process), the first also the embeddings, the last the final LayerNorm and it
 A schedule's ``step`` cuts the batch into m micro-batches, runs every forward and backward in its
 order (batched p2p between neighbouring ranks), and divides the gradients by m: the gradient of
 the batch's mean loss. The two copies of E get their summed gradient here (one all-reduce between
-the first and the last stage's rank, ``gradients.py``'s tied-embedding sum), then AdamW steps.
-Notebook 05's hand-written GPipe and 1F1B (``pipeline_parallel.py``) do the same with named
+the first and the last stage's rank, ``distributed/gradients.py``'s tied-embedding sum), then AdamW steps.
+Notebook 05's hand-written GPipe and 1F1B (``pipeline_parallel/schedules.py``) do the same with named
 communication steps; here PyTorch's schedule objects do. :func:`compare_schedules` runs both on
 the same batches, timing each step, with the hand-written engine's measured bubble
 (``pipeline_timeline``: 1 - busy / (p x span) of the last step) and, for the interleaved
@@ -80,7 +80,7 @@ SCHEDULES = {
     "interleaved_1f1b": (ScheduleInterleaved1F1B, 2),
     "interleaved_zero_bubble": (ScheduleInterleavedZeroBubble, 2),
 }
-#: Notebook 05's hand-written schedules (``pipeline_parallel.py``): name -> (its schedule, v).
+#: Notebook 05's hand-written schedules (``pipeline_parallel/schedules.py``): name -> (its schedule, v).
 HAND_WRITTEN = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b": ("1f1b", 2)}
 
 

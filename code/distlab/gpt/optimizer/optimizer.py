@@ -1,4 +1,4 @@
-"""Optimizer and Megatron's learning-rate schedule (gradient clipping is in ``gradients.py``).
+"""Optimizer and Megatron's learning-rate schedule (gradient clipping is in ``distributed/gradients.py``).
 
 Learning rate at iteration ``i`` (1-based), warm-up ``W`` and decay ``D`` iterations::
 

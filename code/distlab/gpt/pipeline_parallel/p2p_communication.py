@@ -2,7 +2,7 @@
 
 Stage ``s`` receives its input x (b, T, H) from ``s - 1`` and sends its output y to ``s + 1``;
 in backward it receives dy from ``s + 1`` and sends dx to ``s - 1``. The schedules
-(``pipeline_parallel.py``) call only these steps, the interleaved one (``pipeline_interleaved.py``)
+(``schedules.py``) call only these steps, the interleaved one (``interleaved.py``)
 :func:`exchange` with its planned rounds; a stage without that neighbour does nothing and
 receives ``None``::
 

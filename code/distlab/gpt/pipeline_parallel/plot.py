@@ -1,4 +1,4 @@
-"""Gantt charts of recorded pipeline timelines (``pipeline_timeline.py``), with their bubbles."""
+"""Gantt charts of recorded pipeline timelines (``timeline.py``), with their bubbles."""
 
 from __future__ import annotations
 

@@ -17,12 +17,12 @@ same time; 1F1B's gain is memory (``tests/test_gpt_pipeline_diagram.py`` replays
 by slot and compares them with these lines). Both compute the same gradients: each is
 the sum over micro-batches of ``d(loss_i / m)``, accumulated in ``.grad``.
 
-Interleaved 1F1B (``chunks = v > 1``, ``pipeline_interleaved.py``): each rank holds v chunks
+Interleaved 1F1B (``chunks = v > 1``, ``interleaved.py``): each rank holds v chunks
 of ``L / (p v)`` layers and runs Megatron's interleaved order; bubble ``(p-1)/(v m + p - 1)``.
 
-Communication: only the named steps of ``pp_communications.py``, each one batch of point-to-point
+Communication: only the named steps of ``p2p_communication.py``, each one batch of point-to-point
 operations. Gradient finalisation (tied embedding, data parallel, norm, clipping) follows the
-schedule, in ``gradients.py``.
+schedule, in ``distributed/gradients.py``.
 
 Tied embedding: the first stage holds E for the input, the last stage a copy for the logits;
 both start equal (``model.init_parameters``) and stay equal (``gradients.reduce_gradients``).

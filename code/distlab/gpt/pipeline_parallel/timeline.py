@@ -1,6 +1,6 @@
 """When each stage ran each micro-batch's forward and backward: record, gather, save, measure.
 
-The plot is in ``pipeline_plot.py``.
+The plot is in ``plot.py``.
 
 The bubble of a pipeline step is the time stages sit idle. With ``p`` stages, ``m``
 micro-batches and every forward taking ``t_f``, every backward ``t_b``, a step lasts

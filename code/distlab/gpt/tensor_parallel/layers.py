@@ -13,7 +13,7 @@ With ``sequence_parallel=True`` (``--sequence-parallel``, tp > 1) the activation
 layers are this rank's ``T_p = T / p`` positions, (b, T_p, H): a column-parallel layer all-gathers
 them (in ``f``'s place), a row-parallel layer and the embedding reduce-scatter their sums (in
 ``g``'s place), and a parameter applied to the shards (LayerNorms, the row-parallel bias, the
-position table) gets a partial gradient, tagged ``sequence_parallel`` for ``gradients.py`` to sum.
+position table) gets a partial gradient, tagged ``sequence_parallel`` for ``distributed/gradients.py`` to sum.
 
 With ``group=None`` (or one rank) every layer is the plain layer: the communication operators
 are identities, so a tp = 1 run goes through the same code.

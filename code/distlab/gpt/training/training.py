@@ -9,7 +9,7 @@ so the union over ranks and micro-batches is the same global batch for every lay
 context parallelism the ``cp`` ranks of a data-parallel rank read the same samples and keep
 ``T / cp`` tokens of each (``context_parallel.split_sequence``). Each
 micro-batch loss (mean over its ``b x T`` tokens) is back-propagated as ``loss_k x S / m`` (``S``
-the fp16 loss scale, else 1), gradients accumulate in ``.grad``, and ``gradients.py`` averages
+the fp16 loss scale, else 1), gradients accumulate in ``.grad``, and ``distributed/gradients.py`` averages
 them over ``dp x cp`` once, after the last backward, so the gradient is the gradient of the
 global batch's mean loss (every cp rank's loss is the mean over its T / cp tokens, equally many)::
 
@@ -103,7 +103,7 @@ def reduce_loss(loss: torch.Tensor, state: ParallelState) -> float:
 
 
 class LocalBackend:
-    """This engine's own step: plain backward of ``loss_k x S / m``, then ``gradients.py``'s
+    """This engine's own step: plain backward of ``loss_k x S / m``, then ``distributed/gradients.py``'s
     finalisation (tied embedding, dp all-reduce, fp16 unscale, norm, clip) and the optimizer.
 
     The dp all-reduce runs in ``grad_buckets`` (default: one bucket, after backward); with

@@ -8,7 +8,7 @@ For tokens ``x`` (b, T) (one micro-batch) and L blocks (notation: ``distlab.gpt`
     logits  = LNf(h_L) E^T                                    (b, T, V), tied with E
     loss    = cross_entropy(logits, labels)                   per token, (b, T)
 
-Tensor parallelism (``tensor_parallel.py``): ``qkv`` and ``fc1`` are column-parallel, ``proj``
+Tensor parallelism (``tensor_parallel/layers.py``): ``qkv`` and ``fc1`` are column-parallel, ``proj``
 and ``fc2`` row-parallel, E is vocabulary-parallel and the loss is the vocabulary-parallel
 cross-entropy of the (b, T, V / tp) logit slices. With tp = 1 these are the same layers with
 no group: one code path for every layout. Sequence parallelism (``--sequence-parallel``) keeps
@@ -17,7 +17,7 @@ split along dim 1 from the embedding's reduce-scatter to the output layer's all-
 attention and the MLP's GeLU see the whole sequence (on their H / tp slice). The qkv output features are ordered
 ``(head, {q,k,v}, head_dim)``, so a contiguous slice of rows is a set of whole heads.
 
-Pipeline parallelism (``pipeline_parallel.py``): a stage holds the embedding only if it is the
+Pipeline parallelism (``pipeline_parallel/schedules.py``): a stage holds the embedding only if it is the
 first, blocks ``[pp_rank L / pp, (pp_rank + 1) L / pp)`` (keyed by their *global* index), and
 the final LayerNorm + output head only if it is the last. Interleaved (``v = state.vp > 1``
 chunks per rank): chunk ``c`` holds the ``L / (pp v)`` blocks of virtual stage ``c pp + pp_rank``,
@@ -25,26 +25,26 @@ chunks per rank): chunk ``c`` holds the ``L / (pp v)`` blocks of virtual stage `
 after chunk ``v - 1`` of the last; all chunks are one module, so the optimizer, the gradient
 reduction and the checkpoints see every chunk's parameters, by their global names.
 A last stage that is not also the first holds its own copy of E (``output_weight``); the
-initialiser makes it equal to the first stage's E (same name, same seed), and ``gradients.py``
+initialiser makes it equal to the first stage's E (same name, same seed), and ``distributed/gradients.py``
 sums the two gradients, so they stay equal.
 
-Mixture of experts (``moe.py``, ``expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
+Mixture of experts (``moe/moe_layer.py``, ``moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
 becomes a router and E experts, split over the ep ranks of the layout's expert groups; the last
 stage attaches ``coeff sum_layers l_aux`` to the per-token loss for backward (the returned values
 stay the lm loss).
 
-Context parallelism (``context_parallel.py``): with cp > 1 each rank holds T / cp tokens of
+Context parallelism (``context_parallel/ring_attention.py``): with cp > 1 each rank holds T / cp tokens of
 every sample (two of 2 cp chunks, their global positions from ``context_parallel.positions``)
 and the core attention is :func:`~distlab.gpt.context_parallel.ring_attention.ring_attention` over the cp group;
 every other layer is per token and needs nothing.
 
-Memory (``recompute.py``): ``--attention-backend`` picks the core attention, PyTorch's fused
+Memory (``transformer/recompute.py``): ``--attention-backend`` picks the core attention, PyTorch's fused
 ``scaled_dot_product_attention`` or :func:`unfused_attention` (which stores the (b, n, T, T)
 probabilities); ``--recompute-granularity selective`` checkpoints the core attention of every
 block, ``full`` checkpoints groups of whole blocks (:func:`~distlab.gpt.transformer.recompute.checkpoint_groups`).
 Every choice computes the same loss.
 
-Dropout (``rng_tracker.py``, Megatron's two random streams): what the tp ranks hold alike (the
+Dropout (``tensor_parallel/rng_tracker.py``, Megatron's two random streams): what the tp ranks hold alike (the
 (b, T, H) hidden states after ``g``, the embeddings' output) is dropped out with the default
 stream, the same mask on every tp rank; what each holds alone (its heads' attention
 probabilities; with SP its T / tp positions: the whole block and the embeddings' dropout) with
