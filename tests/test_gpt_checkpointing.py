@@ -13,6 +13,7 @@ import torch.distributed as dist
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
@@ -34,7 +35,9 @@ def _scenario(ctx: DistContext, root: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).mean().backward()
     opt.step()
-    checkpointing.save_checkpoint(args, state, model, opt, {"scale": 8.0}, iteration=1, consumed_samples=4)
+    checkpointing.save_checkpoint(
+        args, state, Snapshot(model, opt, {"scale": 8.0}, iteration=1, consumed_samples=4)
+    )
     saved = {k: v.clone() for k, v in model.state_dict().items()}
 
     real_save = torch.save
@@ -46,7 +49,9 @@ def _scenario(ctx: DistContext, root: str) -> None:
     torch.save = dying_save
     try:
         with pytest.raises(KeyboardInterrupt):
-            checkpointing.save_checkpoint(args, state, model, opt, None, iteration=2, consumed_samples=8)
+            checkpointing.save_checkpoint(
+                args, state, Snapshot(model, opt, None, iteration=2, consumed_samples=8)
+            )
     finally:
         torch.save = real_save
     dist.barrier()

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
 from distlab.gpt.checkpointing import checkpointing, dist_checkpointing
+from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
@@ -108,7 +109,7 @@ def _pipeline_scenario(ctx: DistContext, root: str) -> None:
         return model, optimizer
 
     model, optimizer = build()  # no step yet: only the model is saved (fp16 overflows, e.g.)
-    dist_checkpointing.save_checkpoint(args, state, model, optimizer, {"scale": 8.0}, 1, 4)
+    dist_checkpointing.save_checkpoint(args, state, Snapshot(model, optimizer, {"scale": 8.0}, 1, 4))
     fresh, fresh_opt = perturbed()
     loaded = dist_checkpointing.load_checkpoint(args, state, fresh, fresh_opt)
     result = {"loaded": list(loaded), "no_state": not fresh_opt.state}
@@ -118,7 +119,7 @@ def _pipeline_scenario(ctx: DistContext, root: str) -> None:
     for p in model.parameters():  # one Adam step on made-up gradients
         p.grad = torch.randn_like(p)
     optimizer.step()
-    dist_checkpointing.save_checkpoint(args, state, model, optimizer, None, 2, 8)
+    dist_checkpointing.save_checkpoint(args, state, Snapshot(model, optimizer, None, 2, 8))
     fresh, fresh_opt = perturbed()
     dist_checkpointing.load_checkpoint(args, state, fresh, fresh_opt)
     result["model_2"] = all(

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from distlab.distributed import discover, init_distributed, print_on, shutdown
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
+from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.data.gpt_dataset import GPTDataset
 from distlab.gpt.interfaces import StepResult
 from distlab.gpt.memory.memory_estimate import MemorySetup, estimate, format_prediction
@@ -203,7 +204,9 @@ def maybe_save(run: Run) -> None:
 def save(run: Run) -> None:
     """Checkpoint the model, optimizer, scaler and RNG at this iteration (atomically)."""
     scaler_state = run.scaler.state_dict() if run.scaler else None
-    lines = run.checkpointer.save(run.model, run.optimizer, scaler_state, run.iteration, run.consumed)
+    lines = run.checkpointer.save(
+        Snapshot(run.model, run.optimizer, scaler_state, run.iteration, run.consumed)
+    )
     run.saved_at = run.iteration
     # formats.SAVED, with blocking and total time (none while --async-save writes)
     print_on(run.rank0, *lines)

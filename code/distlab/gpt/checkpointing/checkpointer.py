@@ -24,6 +24,7 @@ from torch import nn
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.parallel_state import ParallelState
 from distlab.logs.formats import SAVED
 
@@ -66,17 +67,10 @@ class Checkpointer:
         self.group: dist.ProcessGroup | None = None  # the async writes' gloo group, made at the first
         self.in_flight: _InFlight | None = None
 
-    def save(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scaler_state: dict | None,
-        iteration: int,
-        consumed_samples: int,
-    ) -> list[str]:
-        started = self._clock()
+    def save(self, saved: Snapshot) -> list[str]:
+        started, iteration = self._clock(), saved.iteration
         lines = self.wait()  # the previous write: the folder is free, its line printed
-        state = (self.args, self.state, model, optimizer, scaler_state, iteration, consumed_samples)
+        state = (self.args, self.state, saved)
         if not self.args.async_save:
             torch_dist = self.args.ckpt_format == "torch_dist"
             save = _dcp().save_checkpoint if torch_dist else checkpointing.save_checkpoint

@@ -27,6 +27,7 @@ import dataclasses
 import os
 import random
 import shutil
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -86,16 +87,20 @@ def set_rng_state(rng: dict, *, tracker: bool = True) -> None:
         get_rng_tracker().set_states(rng["tracker"])
 
 
-def save_checkpoint(
-    args: PretrainArgs,
-    state: ParallelState,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler_state: dict | None,
-    iteration: int,
-    consumed_samples: int,
-) -> str:
+class Snapshot(NamedTuple):
+    """What a save writes of the run at one iteration, besides its arguments: the one signature of
+    every save (``save_checkpoint`` here and in ``dist_checkpointing.py``, ``Checkpointer.save``)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler_state: dict | None
+    iteration: int
+    consumed_samples: int
+
+
+def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> str:
     """Write ``iter_<iteration>`` under ``args.save`` atomically; return its folder."""
+    model, optimizer, scaler_state, iteration, consumed_samples = saved
     final = checkpoint_dir(args.save, iteration)
     tmp = final + ".tmp"
     if state.rank == 0:

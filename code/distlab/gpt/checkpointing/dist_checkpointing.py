@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.parallel_state import ParallelState
 
 COMMON = "common.pt"  # Megatron-LM's name for the state every rank shares
@@ -90,21 +91,14 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, with_opti
     return state_dict
 
 
-def _prepare(
-    args: PretrainArgs,
-    state: ParallelState,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler_state: dict | None,
-    iteration: int,
-    consumed_samples: int,
-) -> tuple[str, dict]:
+def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple[str, dict]:
     """Write ``common.pt`` into a fresh ``iter_<iteration>.tmp`` (rank 0); return the folder and
     this rank's state dict for DCP (collective: every rank's RNG reaches rank 0).
 
     Rank 0 clears the folder before the all-gather, and no rank leaves the all-gather before rank 0
     has joined it: DCP's local plan creates the folder on every rank, so a rank already in
     ``dcp.save`` must not meet rank 0's ``rmtree``/``makedirs`` (FileExistsError, or its files gone)."""
+    model, optimizer, scaler_state, iteration, consumed_samples = saved
     tmp = checkpointing.checkpoint_dir(args.save, iteration) + ".tmp"
     if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
@@ -118,38 +112,22 @@ def _prepare(
     return tmp, _state_dict(model, optimizer, with_optimizer=bool(optimizer.state))
 
 
-def save_checkpoint(
-    args: PretrainArgs,
-    state: ParallelState,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler_state: dict | None,
-    iteration: int,
-    consumed_samples: int,
-) -> str:
+def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> str:
     """``dcp.save`` into ``iter_<iteration>.tmp``, then commit (rank 0); return the folder."""
-    tmp, state_dict = _prepare(args, state, model, optimizer, scaler_state, iteration, consumed_samples)
+    tmp, state_dict = _prepare(args, state, saved)
     dcp.save(state_dict, checkpoint_id=tmp)  # returns on every rank once .metadata is written
     if state.rank == 0:
-        checkpointing.commit(args.save, iteration)
+        checkpointing.commit(args.save, saved.iteration)
     dist.barrier()
     return tmp.removesuffix(".tmp")
 
 
 def async_save_checkpoint(
-    args: PretrainArgs,
-    state: ParallelState,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler_state: dict | None,
-    iteration: int,
-    consumed_samples: int,
-    *,
-    group: dist.ProcessGroup,
+    args: PretrainArgs, state: ParallelState, saved: Snapshot, *, group: dist.ProcessGroup
 ) -> Future:
     """``dcp.async_save``: stage to CPU memory, return; a thread writes (collectives on the gloo
     ``group``), then rank 0 commits. The future holds the ``time.perf_counter()`` of the commit."""
-    tmp, state_dict = _prepare(args, state, model, optimizer, scaler_state, iteration, consumed_samples)
+    tmp, state_dict = _prepare(args, state, saved)
     written = dcp.async_save(state_dict, checkpoint_id=tmp, process_group=group)  # staged when it returns
     committed: Future = Future()
 
@@ -157,7 +135,7 @@ def async_save_checkpoint(
         try:
             future.result()  # every rank's data and .metadata are written
             if state.rank == 0:
-                checkpointing.commit(args.save, iteration)
+                checkpointing.commit(args.save, saved.iteration)
             committed.set_result(time.perf_counter())
         except BaseException as exc:  # raised where the run waits for the save
             committed.set_exception(exc)
