@@ -127,14 +127,13 @@ def measure(
 
 
 def _setup(cfg: dict, seq: int, cp: int) -> MemorySetup:
-    return MemorySetup(
+    return MemorySetup.from_layout(  # cp ranks, one sample each
+        Layout(cp, cp=cp),
         num_layers=cfg["num_layers"],
         hidden_size=cfg["hidden_size"],
         num_attention_heads=cfg["num_attention_heads"],
         seq_length=seq,
         vocab_size=cfg["vocab_size"],
-        micro_batch_size=1,
-        cp=cp,
     )
 
 
