@@ -63,3 +63,33 @@ def test_overflowing_fp16_step_is_skipped_and_weights_kept():
     result = train_step(backend, batches, state=state, autocast=amp)
     assert not result.skipped and result.grad_norm > 0 and scaler.scale == 2.0**8
     assert not torch.equal(model.state_dict()["layers.0.attn.qkv.weight"], before["layers.0.attn.qkv.weight"])
+
+
+class _HugeLoss(GPTModel):
+    """The GPT with its per-token loss times 1e21: finite fp32 gradients of ~1e19 and more, whose
+    squared norm overflows fp32 (max 3.4e38) although no gradient is inf or nan."""
+
+    def forward(self, tokens, labels=None, chunk=0):
+        return super().forward(tokens, labels, chunk) * 1e21
+
+
+def test_fp16_step_with_a_nonfinite_norm_is_reported_skipped():
+    """The unscaled gradients pass the inf / nan check, their norm does not: the update is not
+    applied, and the step must say so (it was reported as taken, and counted as not skipped)."""
+    cfg = GPTConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=128, max_position_embeddings=16
+    )
+    state = ParallelState(Layout(1), rank=0)
+    model = _HugeLoss(cfg, state)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scaler = DynamicLossScaler(1.0, window=1000, hysteresis=1)  # fp32 compute: S = 1 keeps S g finite
+    backend = LocalBackend(model, opt, state, clip_grad=1.0, scaler=scaler)
+    result = train_step(backend, [(tokens, tokens.roll(-1, 1))], state=state)
+    grads = [p.grad for p in model.parameters()]
+    assert all(torch.isfinite(g).all() for g in grads) and max(float(g.abs().max()) for g in grads) > 1e19
+    assert result.nan and not torch.isfinite(torch.tensor(result.grad_norm))  # inf, as measured
+    assert result.skipped, "no update was applied, but the step is reported as not skipped"
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)

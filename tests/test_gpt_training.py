@@ -135,6 +135,24 @@ def test_loss_falls_on_tiny_config(data, tmp_path):
     assert sum(losses[-5:]) / 5 < losses[0] - 0.75, losses  # below the unigram entropy
 
 
+@pytest.mark.parametrize("pp", [1, 2], ids=["pp1", "pp2"])
+def test_fp16_skips_are_reported_on_every_rank_and_in_the_log(data, tmp_path, pp):
+    """Every rank's step says skipped on the same iterations (pp 2: the stages hold different
+    gradients; the overflow check is one all-reduce over every rank), without a gradient norm,
+    and Megatron's "number of skipped iterations" counts them."""
+    argv = [*TINY, *data, "--global-batch-size", "4", "--train-iters", "4", "--fp16",
+            "--initial-loss-scale", str(2.0**23), "--hysteresis", "1",
+            "--pipeline-model-parallel-size", str(pp)]  # fmt: skip
+    run = spawn_pretrain(argv, pp, tmp_path / "run")
+    h = run.last
+    assert 1 <= h["skipped"] < 4, h["loss_scales"]  # 2^23 overflows, 2^20 does not (3 of 4 measured)
+    for rank in run.histories:
+        assert [n is None for n in rank["grad_norms"]] == [n is None for n in h["grad_norms"]]
+        assert rank["skipped"] == h["skipped"] == sum(n is None for n in h["grad_norms"])
+    lines = [m for m in (ITERATION_RE.match(line) for line in run.log.splitlines()) if m]
+    assert [int(m["skipped"]) for m in lines] == [int(n is None) for n in h["grad_norms"]]
+
+
 def test_fp16_overflow_is_skipped_logs_tensorboard_and_profile(data, tmp_path):
     tb = tmp_path / "tb"
     run = spawn_pretrain(

@@ -141,3 +141,27 @@ def test_exercise_check_reads_both_traces(dp2_trace, memory_trace, capsys):
         check_changed_part(baseline, baseline, "communication", "down")  # a DP=2 "variant": nothing vanished
     with pytest.raises(ValueError, match="part must be one of"):
         check_changed_part(baseline, memory_trace, "kernels", "up")
+
+
+@pytest.mark.parametrize("backend, stores", [("auto", False), ("unfused", True)])
+def test_only_the_unfused_backend_has_attention_scores_in_a_trace(tmp_path, backend, stores):
+    """Notebook 06's check on the scores: with the fused backend no operator of a traced step takes a
+    (b, a, s, s) tensor; with --attention-backend unfused the softmax does."""
+    import json
+
+    from distlab.gpt.transformer.model import GPTConfig, GPTModel
+
+    b, a, s = 2, 4, 32
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=a, vocab_size=128,
+                    max_position_embeddings=s, attention_backend=backend)  # fmt: skip
+    model, tokens = GPTModel(cfg), torch.randint(0, 128, (b, s))
+    with torch.profiler.profile(record_shapes=True, profile_memory=True) as prof:
+        model(tokens, tokens).mean().backward()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    on_scores = {
+        e["name"]
+        for e in events
+        if e.get("ph") == "X" and [b, a, s, s] in e.get("args", {}).get("Input Dims", [])
+    }
+    assert ("aten::softmax" in on_scores) is stores and bool(on_scores) is stores

@@ -152,8 +152,9 @@ class LocalBackend:
             self.scaler.update(grads.overflow)
         if grads.overflow:
             return StepOutcome(None, skipped=True)
-        if not math.isfinite(grads.norm):
-            return StepOutcome(grads.norm, skipped=self.scaler is None, nonfinite=True)
+        if not math.isfinite(grads.norm):  # finite gradients whose norm is not (fp32's sum of
+            # squares overflowed): no update, with or without a scaler, and the step says so
+            return StepOutcome(grads.norm, skipped=True, nonfinite=True)
         self.optimizer.step()
         return StepOutcome(grads.norm, skipped=False)
 
