@@ -34,7 +34,8 @@ class NetworkSizeArgs:
 
 @dataclass
 class RegularizationArgs:
-    """Dropout, weight decay, clipping and the optimizer's constants (Megatron's ``_add_regularization_args``)."""
+    """Dropout, weight decay, clipping, the optimizer's constants (Megatron's
+    ``_add_regularization_args``)."""
 
     attention_dropout: float = _f(0.0, "dropout on attention probabilities")
     hidden_dropout: float = _f(0.0, "dropout after attention and MLP (Megatron's default is 0.1)")
@@ -48,7 +49,8 @@ class RegularizationArgs:
 
 @dataclass
 class TrainingArgs:
-    """Batches, recomputation, the optimizer, when to stop, the profiler (Megatron's ``_add_training_args``)."""
+    """Batches, recomputation, the optimizer, when to stop, the profiler, torch.compile (Megatron's
+    ``_add_training_args``)."""
 
     micro_batch_size: int = _f(None, "samples per forward/backward on one rank (required)")
     global_batch_size: int = _f(None, "samples per optimizer step over all ranks (default micro x dp)")
@@ -172,7 +174,7 @@ class CheckpointingArgs:
 
 @dataclass
 class MixedPrecisionArgs:
-    """Fp16 / bf16 and the loss scale (Megatron's ``_add_mixed_precision_args``)."""
+    """fp16 or bf16, and the loss scale (Megatron's ``_add_mixed_precision_args``)."""
 
     fp16: bool = _f(False, "float16 compute with dynamic loss scaling")
     bf16: bool = _f(False, "bfloat16 compute")
@@ -184,7 +186,8 @@ class MixedPrecisionArgs:
 
 @dataclass
 class DistributedArgs:
-    """The parallel layout, the data-parallel gradients and the back ends (Megatron's ``_add_distributed_args``)."""
+    """The parallel sizes, the data-parallel gradients, DTensor and FSDP2 (Megatron's
+    ``_add_distributed_args``)."""
 
     tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
     tensor_parallel_impl: str = _f(
