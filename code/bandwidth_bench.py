@@ -9,7 +9,7 @@ Launch:
     python code/bandwidth_bench.py --spawn 2 --time-budget 20 --out runs/bw/spawn.csv
     torchrun --standalone --nproc-per-node=2 code/bandwidth_bench.py --label intra --out runs/bw/intra.csv
     srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=$LAB_PROCS_PER_NODE \\
-         --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT code/bandwidth_bench.py \\
+         --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID code/bandwidth_bench.py \\
          --label inter --out jobs/bw-inter.csv
     mpirun -np 4 python code/bandwidth_bench.py       # or: srun --ntasks=4 python ...
 

@@ -11,7 +11,7 @@ Launch:
     python code/collectives_demo.py --spawn 4
     torchrun --standalone --nproc-per-node=4 code/collectives_demo.py --collectives all_reduce,ring_all_reduce
     srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=$LAB_PROCS_PER_NODE \\
-         --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT code/collectives_demo.py
+         --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID code/collectives_demo.py
     mpirun -np 4 python code/collectives_demo.py      # or: srun --ntasks=4 python ...
 
 ``--hang-rank R --timeout 10``: rank R stays alive but never joins; the others fail after 10 s

@@ -8,7 +8,7 @@ Launch (every way gives the same output, only the hosts differ):
     python code/p2p_demo.py --spawn 2                                   # spawned here, one node
     torchrun --standalone --nproc-per-node=2 code/p2p_demo.py           # torchrun, one node
     srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=$LAB_PROCS_PER_NODE \\
-         --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT code/p2p_demo.py   # nodes
+         --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID code/p2p_demo.py   # nodes
     mpirun -np 4 python code/p2p_demo.py          # or: srun --ntasks=4 python code/p2p_demo.py
 
 Environment: LAB_BACKEND (gloo/nccl, default: nccl when CUDA is visible), DISTLAB_PG_TIMEOUT.

@@ -25,7 +25,7 @@ One node, 4 processes (torchrun; OMP_NUM_THREADS is capped to the usable cores a
 Two nodes x 2 processes from Slurm (what the course's sbatch scripts do)::
 
     srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=2 --rdzv-backend=c10d \\
-        --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT code/pretrain_gpt.py $ARGS
+        --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID code/pretrain_gpt.py $ARGS
 
 Legacy launcher, run once per node with its --node_rank (it passes --local-rank, accepted)::
 
@@ -36,7 +36,7 @@ The course's exercise layout, tensor parallel 2 x pipeline parallel 2 over 2 nod
 (rank order tp-dp-pp: each node holds one pipeline stage, its two GPUs one tensor-parallel pair)::
 
     srun torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d \\
-        --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT code/pretrain_gpt.py $ARGS \\
+        --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID code/pretrain_gpt.py $ARGS \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b \\
         --pipeline-timeline runs/gpt/timeline.json    # plot: distlab.gpt.pipeline_parallel.plot.plot_timelines
 

@@ -10,7 +10,7 @@ One node, 2 processes (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/P
     torchrun --standalone --nproc-per-node=2 code/train_cifar.py
 Two nodes from an sbatch script (one torchrun per node, rendezvous on the first node):
     srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=$LAB_PROCS_PER_NODE \
-         --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT code/train_cifar.py
+         --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID code/train_cifar.py
 Open MPI, one Python process per rank (ranks from OMPI_COMM_WORLD_*):
     mpirun -np 4 --map-by ppr:2:node -x MASTER_ADDR -x MASTER_PORT python code/train_cifar.py
 srun alone, one task per rank (ranks from SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID):

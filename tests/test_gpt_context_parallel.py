@@ -249,3 +249,40 @@ def test_exercise_budget_is_the_runs_own_prediction_and_needs_cp() -> None:
         assert check_long_sequence_run(
             log, world_size=world, seq_length=32768, budget_mib=budget, max_tp=per_node
         )
+
+
+@pytest.mark.parametrize("notebook", ["notebooks/09_context_and_expert_parallelism.ipynb",
+                                      "solutions/09_context_and_expert_parallelism_solution.ipynb"])  # fmt: skip
+def test_notebook_cells_of_the_exercise_budget_and_check(notebook: str, monkeypatch, capsys) -> None:
+    """The notebook's own cells, as they run on the local cluster: the budget cell gives 38 MiB, the
+    check cell says what to do before the run, passes the solution's run and fails a cp = 1 run
+    with a shortened sequence."""
+    import contextlib
+    import io
+    import os
+
+    import distlab.logs.exercise as exercise
+
+    cells = [
+        "".join(c["source"]) for c in json.loads((Path(__file__).parents[1] / notebook).read_text())["cells"]
+    ]
+    budget = next(c for c in cells if "BUDGET_MIB = long_sequence_budget(" in c)
+    check_cell = next(c for c in cells if c.startswith("check_long_sequence_run("))
+    monkeypatch.setenv("GPT_ARGS", f"{LOCAL_MODEL} --train-iters 3 --lr 1e-3")
+    names = {k: getattr(exercise, k) for k in exercise.__dict__ if "long_sequence" in k}
+    base = {"os": os, "WORLD": 4, "PROCS": 2, "LONG_SEQ": 2048, **names}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(budget, base)
+    assert base["BUDGET_MIB"] == 38
+
+    def run(log: str | None) -> str:
+        job = None if log is None else type("Job", (), {"log": lambda self: log})()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(check_cell, {**base, "long_job": job})
+        return out.getvalue()
+
+    assert "[not yet]" in run(None)
+    assert "[ok]" in run(_long_run_log(1, 4, 34.5))
+    with pytest.raises(ExerciseError):
+        run(_long_run_log(2, 1, 30.0, seq=1024))

@@ -27,7 +27,7 @@ from distlab.gpt.tools.local_run import prepare_data
 from distlab.logs import restarts
 from tests.test_gpt_restart import WORKER, kill_workers
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 TRAIN_ITERS, SAVE_INTERVAL, PAUSE_AFTER = 12, 3, 5
 TINY = (
@@ -37,6 +37,7 @@ TINY = (
     f" --seed 5 --train-iters {TRAIN_ITERS} --save-interval {SAVE_INTERVAL}"
 ).split()
 #: A dead agent is dropped after 3 missed heartbeats 1 s apart; a round of fewer than 2 waits 2 s.
+START_TO_END_S = 240  # the whole run; it took 68 s at load 25 and failed a 60 s guard at load 10-14
 RDZV = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout=30"
 
 
@@ -73,7 +74,10 @@ def test_a_lost_node_leaves_a_world_of_two_that_resumes_with_the_same_global_bat
         second = agent(tmp_path / "node2", port, False, ckpt, data, log, pause=True)
     agents = {"node1": first, "node2": second}
     try:
-        deadline = time.monotonic() + 60
+        # a hang guard, not a measured time: the run asserts its outcome (layouts, losses, tracker). At
+        # load 10-14 on the 2 shared cores it had reached iteration 7 of 12 of its second attempt when
+        # 60 s were up (4 ranks importing torch, then 2 again after the rendezvous); see START_TO_END_S
+        deadline = time.monotonic() + START_TO_END_S
         paused = tmp_path / "node2" / "paused.pid"
         while not paused.exists():
             assert first.poll() is None and second.poll() is None, f"an agent ended:\n{log_path.read_text()}"
@@ -87,7 +91,7 @@ def test_a_lost_node_leaves_a_world_of_two_that_resumes_with_the_same_global_bat
         tracker = (ckpt / "latest_checkpointed_iteration.txt").read_text()
         rc = first.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the surviving agent did not end in 60 s:\n{log_path.read_text()[-6000:]}")
+        pytest.fail(f"the surviving agent did not end in {START_TO_END_S} s:\n{log_path.read_text()[-6000:]}")
     finally:
         for name, proc in agents.items():
             if proc.poll() is None:

@@ -381,3 +381,26 @@ def test_the_grace_that_signal_buys_reaches_the_workers(monkeypatch):
         grace = int(re.search(r"--signal=B:USR1@(\d+)", script).group(1))
         shutdown = re.search(r"--shutdown-timeout=(\d+)", script)
         assert shutdown and 30 < int(shutdown.group(1)) <= grace, script
+
+
+def test_save_costs_tell_a_save_that_ran_beside_training_from_one_that_blocked():
+    """Notebook 10's check of its asynchronous saves (medians measured by the notebook's job): the
+    write ran beside training when the median blocking time is at most ASYNC_BLOCKING_SHARE of
+    the median total; a save that blocked for its whole write fails it."""
+
+    def log(plain: list[float], asynchronous: list[tuple[float, float]]) -> str:
+        lines = [
+            SAVED.format(iteration=1, folder="/c", format="torch", blocking_ms=ms, total_ms=ms)
+            for ms in plain
+        ]
+        lines += [SAVED.format(iteration=i, folder="/c-async", format="torch_dist", mode="async", blocking_ms=b,
+                               total_ms=t) for i, (b, t) in enumerate(asynchronous, start=1)]  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+    measured = [(887.2, 1296.5), (231.3, 1305.0), (439.0, 1008.4), (411.8, 1017.8)]  # a CI run (load ~14)
+    costs = restarts.save_costs(log([543.4], measured))
+    assert costs["plain"] == 543.4 and costs["async_saves"] == 4 and costs["overlapped"]
+    assert costs["async_blocking"] == pytest.approx(425.4) and costs["async_total"] == pytest.approx(1157.15)
+    blocked = [(t - 1.0, t) for _, t in measured]  # the write done before the save returned
+    assert not restarts.save_costs(log([543.4], blocked))["overlapped"]
+    assert restarts.save_costs(log([543.4], []))["async_saves"] == 0

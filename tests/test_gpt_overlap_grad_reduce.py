@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.distributed.grad_buckets import assign_buckets
+from distlab.gpt.distributed.grad_buckets import assign_buckets, default_bucket_size
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import LocalBackend, train_step
@@ -97,6 +97,13 @@ def test_buckets_fill_in_reverse_registration_order() -> None:
     assert len(assign_buckets(params, 10**9)) == 1
     with pytest.raises(ValueError, match="--ddp-bucket-size 0 must be"):
         assign_buckets(params, 0)
+
+
+def test_default_bucket_size_is_megatrons() -> None:
+    # Megatron-LM's DistributedDataParallel: max(40000000, 1000000 * dp_group.size()), its dp group
+    # without context parallelism; the engine passes state.dp (training.py)
+    assert default_bucket_size(1) == default_bucket_size(40) == 40_000_000
+    assert default_bucket_size(64) == 64_000_000
 
 
 def test_bad_flags_are_refused_before_compute(files) -> None:  # noqa: F811 - the fixture

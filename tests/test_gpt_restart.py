@@ -86,12 +86,12 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] 
 
         save = torch.save
 
-        def save_half_then_pause(obj, path, *args, **kwargs):
-            if f"iter_{int(iteration):07d}.tmp" in str(path):
-                with open(path, "wb") as f:
-                    f.write(b"half a checkpoint")
+        def save_half_then_pause(obj, f, *args, **kwargs):  # f: the file checkpointing opened
+            if f"iter_{int(iteration):07d}.tmp" in str(getattr(f, "name", f)):
+                f.write(b"half a checkpoint")
+                f.flush()
                 pause()
-            return save(obj, path, *args, **kwargs)
+            return save(obj, f, *args, **kwargs)
 
         torch.save = save_half_then_pause
 sys.argv = sys.argv[1:]

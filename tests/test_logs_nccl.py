@@ -7,7 +7,7 @@ INFO lines around them (init, rings, trees) must be ignored.
 
 from __future__ import annotations
 
-from distlab.logs.nccl import format_table, parse_channels, transport_table
+from distlab.logs.nccl import format_table, parse_channels, transport_of, transport_table
 
 TWO_NODES_IB = """\
 gpu01:20775:20775 [0] NCCL INFO NCCL_SOCKET_IFNAME set by environment to ib0
@@ -74,3 +74,22 @@ def test_a_gloo_log_has_no_channels_and_says_so():
     gloo_log = "using world size: 4, data-parallel-size: 4, ...\n> launcher: torchrun, backend: gloo\n"
     assert parse_channels(gloo_log) == []
     assert "no 'NCCL INFO Channel" in format_table(transport_table([]))
+
+
+def test_transport_of_what_nccl_prints_after_via():
+    # NCCL's own strings (src/transport/p2p.cc, net.cc, shm.cc): the transport, then its details
+    printed = {
+        "P2P/CUMEM/read": "P2P/CUMEM",
+        "P2P/CUMEM": "P2P/CUMEM",
+        "P2P/IPC/read": "P2P/IPC",
+        "P2P/IPC/CE": "P2P/IPC",
+        "P2P/direct pointer/read": "P2P/direct pointer",
+        "NET/IB/0/GDRDMA": "NET/IB",
+        "NET/IB/0(1)/GDRDMA": "NET/IB",
+        "NET/IBext_v8/1/GDRDMA": "NET/IB",
+        "NET/Socket/0": "NET/Socket",
+        "SHM/direct/direct": "SHM",
+        " NET/IB ": "NET/IB",
+    }
+    assert {via: transport_of(via) for via in printed} == printed
+    assert transport_of("P2P/NVL") == "P2P/NVL"  # not NCCL's: no transport of that name

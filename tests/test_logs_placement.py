@@ -29,6 +29,9 @@ def test_hosts_from_srun_labels_and_from_the_ranks_own_lines():
         ]
     )
     assert placement.rank_hosts(text) == {0: "node2", 1: "node2", 2: "node1", 3: "node1"}
+    # a line written between another process's text and its newline is still read
+    spliced = "iteration 1 | loss 8.1> rank 2 on node1 (torchrun node rank 1, local rank 0)\n\n"
+    assert placement.rank_hosts(spliced) == {2: "node1"}
     assert placement.rank_hosts("0: node1\n1: node1\n2: node2\n") == {0: "node1", 1: "node1", 2: "node2"}
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DistributedSampler
 from distlab import REPO_ROOT, topology
 from distlab.checks import FIXME, ExerciseError, check, script_untouched
 from distlab.comm import collectives
-from distlab.logs import experts
+from distlab.logs import experts, nccl
 from distlab.logs.formats import ITERATION, MOE, PARAMETERS
 
 WORLD = 4  # the local cluster's two-node jobs: 2 nodes x 2 processes
@@ -47,6 +47,18 @@ CASES = [  # (notebook, right answers, one wrong answer, context)
         "01_system_topology",
         {"nccl_gpu0_gpu1": "P2P/CUMEM", "nccl_between_nodes": "NET/IB"},
         {"nccl_gpu0_gpu1": "P2P/NVL"},
+        {},
+    ),
+    (  # as NCCL prints them (distlab.logs.nccl's docstring)
+        "01_system_topology",
+        {"nccl_gpu0_gpu1": "P2P/IPC/read", "nccl_between_nodes": "NET/IB/0/GDRDMA"},
+        {"nccl_between_nodes": "NET/Socket/0"},
+        {},
+    ),
+    (
+        "01_system_topology",
+        {"nccl_gpu0_gpu1": "P2P/CUMEM/read", "nccl_between_nodes": "NET/IBext_v8/1/GDRDMA"},
+        {"nccl_gpu0_gpu1": "SHM/direct/direct"},
         {},
     ),
     (
@@ -134,6 +146,7 @@ def run_cell(source: str, answers: dict, context: dict) -> str:
         "collectives": collectives,
         "math": math,
         "topology": topology,
+        "nccl": nccl,
         "DistributedSampler": DistributedSampler,
         "BACKEND": "gloo",
         **context,

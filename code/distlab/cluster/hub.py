@@ -14,7 +14,9 @@ by ``./lab workshop``. The hub runs as root on 127.0.0.1:
 * TensorBoard at ``/user/<name>/tensorboard/``, on the learner's ``runs/``: the hub's environment has
   jupyter-server-proxy, and ``.lab/hub/etc/jupyter/jupyter_server_config.py`` (on
   ``JUPYTER_CONFIG_PATH``) registers the course's entry (distlab.profiling.tensorboard_proxy), run
-  by the course's Python, which has TensorBoard; started as the learner, on 127.0.0.1.
+  by the course's Python, which has TensorBoard; started as the learner, on 127.0.0.1;
+* JupyterLab's defaults for every learner (:func:`write_lab_settings`: no news pop-up) in the hub's
+  environment, ``.lab/hub/venv/share/jupyter/lab/settings/overrides.json``.
 
 State (sqlite database, cookie secret, log, pid) lives in ``.lab/hub/run``, root's alone (0700).
 """
@@ -98,6 +100,31 @@ def kernelspec() -> Path:
     return folder
 
 
+#: Defaults for every user of a JupyterLab installation (a user's own settings still win): no
+#: "Would you like to get notified about official Jupyter news?" pop-up on a learner's first screen
+#: (JupyterLab asks while ``fetchNews`` is "none", its default), and so no request to the news feed.
+LAB_SETTINGS = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}
+
+
+def write_lab_settings(prefix: str | Path) -> Path:
+    """Merge :data:`LAB_SETTINGS` into ``<prefix>/share/jupyter/lab/settings/overrides.json`` and
+    return its path: where the JupyterLab installed in the environment ``prefix`` reads the
+    defaults that override its plugins' (its app settings folder, ``<app_dir>/settings``; the app
+    dir of a JupyterLab in a virtual environment is ``<venv>/share/jupyter/lab``). Other plugins'
+    entries already there are kept; the file and its folders are readable by every user (mode 644 /
+    755), since every learner's JupyterLab reads it. ``./lab up`` (``.venv``) and :func:`start`
+    (the hub's ``venv``) call it before they start JupyterLab."""
+    path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    current = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else {}
+    wanted = {**current, **{plugin: {**current.get(plugin, {}), **v} for plugin, v in LAB_SETTINGS.items()}}
+    if wanted != current or not path.is_file():  # unchanged: not written (a user who does not own it)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(wanted, indent=2) + "\n")
+        path.chmod(0o644)
+        path.parent.chmod(0o755)
+    return path
+
+
 SERVER_CONFIG = """# Written by distlab.cluster.hub: TensorBoard in each learner's JupyterLab under the hub.
 import sys
 
@@ -173,6 +200,7 @@ def start(s: Settings, timeout: float = 120) -> str:
             raise ClusterError(f"{tool} is missing: `sudo ./lab workshop` installs JupyterHub and its proxy")
     run_dir().mkdir(parents=True, exist_ok=True)
     run_dir().chmod(0o700)
+    write_lab_settings(HUB / "venv")  # the learners' JupyterLab is the hub environment's
     conf = run_dir() / "jupyterhub_config.py"
     text = config(s)
     if running_port() is not None:

@@ -9,9 +9,11 @@ When a communicator connects its rings and trees, every rank logs one line per c
 ``host:pid:tid [device]`` says who printed it, ``r[d]`` is a rank of the communicator and its
 device. The transport tells where the bytes go:
 
-    P2P/IPC, P2P/CUMEM, P2P/direct pointer   GPU to GPU inside a node (NVLink or PCIe)
+    P2P/IPC, P2P/CUMEM, P2P/direct pointer   GPU to GPU inside a node (NVLink or PCIe), then
+                                            /read when the receiver reads, /CE with copy engines
     SHM                                     through host shared memory, inside a node
-    NET/IB (IBext...), NET/Socket           through the network: between nodes
+    NET/IB (IBext...), NET/Socket           through the network: between nodes, then the NIC's
+                                            index and /GDRDMA with GPUDirect RDMA
 
 The printer is the sending rank, except on ``[receive]`` lines, where it is the receiver; the
 peer's host is known when the peer printed lines of its own.
@@ -44,11 +46,8 @@ class Channel:
 
     @property
     def transport(self) -> str:
-        """Kind and mechanism: 'P2P/IPC', 'P2P/CUMEM', 'SHM', 'NET/IB', 'NET/Socket'."""
-        parts = self.via.split("/")
-        if parts[0] == "NET" and len(parts) > 1 and parts[1].startswith("IB"):
-            return "NET/IB"  # IB, IBext_v8, ...: all InfiniBand / RoCE verbs
-        return "/".join(parts[:2]) if parts[0] in ("P2P", "NET") else parts[0]
+        """Kind and mechanism: 'P2P/IPC', 'P2P/CUMEM', 'SHM', 'NET/IB', 'NET/Socket' (:func:`transport_of`)."""
+        return transport_of(self.via)
 
     @property
     def scope(self) -> str:
@@ -62,6 +61,17 @@ class Channel:
     @property
     def peer(self) -> int:
         return self.src if self.direction == "receive" else self.dst
+
+
+def transport_of(via: str) -> str:
+    """The transport's kind and mechanism in what NCCL prints after "via", without the details
+    that follow them: 'P2P/CUMEM/read' and 'P2P/IPC/read/CE' (the receiver reads; copy engines)
+    give 'P2P/CUMEM' and 'P2P/IPC'; 'NET/IB/0/GDRDMA' (NIC 0, GPUDirect RDMA) and
+    'NET/IBext_v8/1' give 'NET/IB'; 'NET/Socket/0' gives 'NET/Socket'; 'SHM/direct/direct' 'SHM'."""
+    parts = via.strip().split("/")
+    if parts[0] == "NET" and len(parts) > 1 and parts[1].startswith("IB"):
+        return "NET/IB"  # IB, IBext_v8, ...: all InfiniBand / RoCE verbs
+    return "/".join(parts[:2]) if parts[0] in ("P2P", "NET") else parts[0]
 
 
 def parse_channels(text: str) -> list[Channel]:

@@ -29,7 +29,9 @@ from distlab.logs.megatron import memory_rows, parse_banner, split_runs
 LABELLED_HOST_RE = re.compile(r"^\s*(\d+): (\S+)\s*$")
 
 
-RANK_HOST_RE = re.compile(r"^> rank (\d+) on (\S+?)(?::| \(|$)")
+#: Not anchored at the line's start: another rank's print may write its text and its newline in two
+#: calls, and a line written between them starts after that text.
+RANK_HOST_RE = re.compile(r"> rank (\d+) on ([\w.-]+)(?=: | \(torchrun|$)", re.M)
 
 
 def rank_host_line(env: dict[str, str] | None = None) -> str:
@@ -45,9 +47,8 @@ def rank_host_line(env: dict[str, str] | None = None) -> str:
 def rank_hosts(text: str) -> dict[int, str]:
     """rank -> host, from ``srun --label hostname`` lines (``0: node1``: task id = rank) and from
     ``> rank <r> on <host>`` lines (printed by the rank itself; these win)."""
-    lines = text.splitlines()
-    hosts = {int(m[1]): m[2] for m in map(LABELLED_HOST_RE.match, lines) if m}
-    return hosts | {int(m[1]): m[2] for m in map(RANK_HOST_RE.match, lines) if m}
+    hosts = {int(m[1]): m[2] for m in map(LABELLED_HOST_RE.match, text.splitlines()) if m}
+    return hosts | {int(m[1]): m[2] for m in RANK_HOST_RE.finditer(text)}
 
 
 def placement_rows(text: str) -> list[dict]:
@@ -86,7 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         raise SystemExit("usage: python -m distlab.logs.placement SCRIPT [ARGS...] (under torchrun)")
-    print(rank_host_line(), flush=True)
+    sys.stdout.flush()
+    os.write(
+        sys.stdout.fileno(), f"{rank_host_line()}\n".encode()
+    )  # one write: the ranks' lines do not interleave
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as python SCRIPT does
     runpy.run_path(argv[0], run_name="__main__")

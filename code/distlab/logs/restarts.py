@@ -92,6 +92,34 @@ def largest_difference(text: str, reference: dict[int, float]) -> float:
     return max(abs(got[it] - loss) for it, loss in reference.items())
 
 
+ASYNC_BLOCKING_SHARE = 0.7
+"""The most of an asynchronous save's time that may block training, median over the saves of a run:
+a save whose write ran beside training blocks only while the state is staged. Notebook 10's
+one-rank saves of ~100 MB (4 per run, one rank on 2 shared cores, load about 10) measured a
+median blocking / median total of 0.22 to 0.43 in 5 runs (single saves 0.08 to 0.68, the first
+with DCP's set-up); a save that blocks for its whole write gives 1. Blocking time against a plain
+save's is no check here: the plain saves' medians spread over 0.31-0.62 s and the asynchronous
+blocking medians over 0.33-0.43 s in the same runs."""
+
+
+def save_costs(text: str) -> dict:
+    """Medians (ms) of a log's saves: ``plain`` (``--ckpt-format torch``: blocking = total), and of
+    the asynchronous ones ``async_blocking`` and ``async_total``, with ``async_saves`` their count,
+    and ``overlapped``: whether the asynchronous saves blocked at most :data:`ASYNC_BLOCKING_SHARE`
+    of their time (their write ran beside training)."""
+    import statistics
+
+    saves = SAVED.parse(text)
+    plain = [s["blocking_ms"] for s in saves if s["format"] == "torch"]
+    staged = [(s["blocking_ms"], s["total_ms"]) for s in saves if s.get("mode") == "async"]
+    out = {"plain": statistics.median(plain) if plain else None, "async_saves": len(staged)}
+    if staged:
+        out["async_blocking"] = statistics.median(b for b, _ in staged)
+        out["async_total"] = statistics.median(t for _, t in staged)
+        out["overlapped"] = out["async_blocking"] <= ASYNC_BLOCKING_SHARE * out["async_total"]
+    return out
+
+
 def hang_report(text: str) -> dict | None:
     """Rank 0's line after a collective timed out: iteration, timeout_s, ranks (a list)."""
     found = HANG.search(text)
@@ -166,6 +194,7 @@ def check_survived(
 
 
 __all__ = [
+    "ASYNC_BLOCKING_SHARE",
     "Attempt",
     "attempts",
     "check_survived",
@@ -173,4 +202,5 @@ __all__ = [
     "hang_report",
     "largest_difference",
     "plot_attempts",
+    "save_costs",
 ]

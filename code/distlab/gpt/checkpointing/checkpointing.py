@@ -6,9 +6,20 @@ Layout under ``--save`` (one file per tensor/pipeline rank; data-parallel rank 0
     iter_0000020/mp_rank_00/model_optim_rng.pt          pp = 1: mp_rank_<tp>
     iter_0000020/mp_rank_00_001/model_optim_rng.pt      pp > 1: mp_rank_<tp>_<pp>
 
-Atomicity: every rank writes into ``iter_0000020.tmp/``; after a barrier rank 0 renames the folder
-to ``iter_0000020`` and only then replaces the tracker file (write to a temporary name,
-``os.replace``). A job killed at any moment leaves the tracker naming a complete checkpoint.
+Atomic and durable (:func:`commit`, with ``durable.py``): a job killed, or a node losing power,
+at any moment of a save leaves the tracker naming a complete checkpoint::
+
+    every writing rank   torch.save into iter_0000020.tmp/..., fsync the file and its folder
+    barrier; rank 0      fsync everything under iter_0000020.tmp
+                         iter_0000020.tmp -> iter_0000020: a rename, or when iter_0000020
+                         exists (a re-save) an atomic exchange of the two folders
+                         fsync --save (the rename is on disk)
+                         tracker: write a temporary file, fsync, os.replace, fsync --save
+                         only then remove the previous iter_0000020 (now under .tmp)
+
+Where the file system cannot exchange two folders (``renameat2`` refused) the re-save sets the
+old folder aside as ``iter_0000020.old`` and renames the new one into place; between the two
+renames the tracker's folder is missing and :func:`committed_dir` reads the old one.
 
 A checkpoint holds the model, the optimizer, the loss scaler, the RNG states, the iteration and
 the consumed samples; data order is a function of consumed samples, so a resumed run continues the
@@ -36,6 +47,7 @@ from torch import nn
 
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.checkpointing import durable
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker
 
@@ -109,18 +121,16 @@ def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -
     if state.dp_rank == 0 and state.cp_rank == 0:  # cp ranks hold the same weights
         path = rank_file(tmp, state)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(
-            {
-                "iteration": iteration,
-                "consumed_samples": consumed_samples,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scaler": scaler_state,
-                "rng": rng_state(),
-                "args": dataclasses.asdict(args),
-            },
-            path,
-        )
+        ckpt = {
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler_state,
+            "rng": rng_state(),
+            "args": dataclasses.asdict(args),
+        }
+        durable.write_file(path, lambda f: torch.save(ckpt, f))  # on disk before the barrier
     dist.barrier()
     if state.rank == 0:
         commit(args.save, iteration)
@@ -129,19 +139,37 @@ def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -
 
 
 def commit(root: str, iteration: int) -> str:
-    """Rename the complete ``iter_<iteration>.tmp`` to ``iter_<iteration>``, then point the tracker
-    at it (one process, after every rank has written); return the folder."""
+    """Put the complete ``iter_<iteration>.tmp`` in place of ``iter_<iteration>``, durably, then
+    point the tracker at it, then remove what it replaced (one process, after every rank has
+    written); return the folder. Every step leaves the tracker naming a complete checkpoint."""
     final = checkpoint_dir(root, iteration)
-    if os.path.exists(final):  # re-saving an iteration: keep the old one until the new is in place
-        os.replace(final, final + ".old")
-    os.replace(final + ".tmp", final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
-    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-    with open(tracker_tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    tmp, old = final + ".tmp", final + ".old"
+    durable.fsync_tree(tmp)  # every rank's files and folders, before a name points at them
+    if not os.path.exists(final):
+        os.replace(tmp, final)  # old: a fallback re-save's folder, left by a crash (see below)
+        replaced = [old]
+    elif durable.exchange(tmp, final):  # re-save: new and old swap places in one step
+        replaced = [tmp, old]
+    else:  # no exchange on this file system: set the old aside, committed_dir reads it meanwhile
+        if os.path.exists(old):  # left by a crashed re-save after its second rename: final is whole
+            durable.fsync_path(root)
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        replaced = [old]
+    durable.fsync_path(root)  # the new folder's name is on disk
+    durable.replace_file(os.path.join(root, TRACKER), str(iteration).encode())
+    for folder in replaced:  # the previous checkpoint goes only now that the tracker is durable
+        shutil.rmtree(folder, ignore_errors=True)
+    return final
+
+
+def committed_dir(root: str, iteration: int) -> str:
+    """The folder of the committed ``iteration``: ``iter_<iteration>``, or while a re-save without
+    an atomic exchange has set it aside, ``iter_<iteration>.old`` (see :func:`commit`)."""
+    final = checkpoint_dir(root, iteration)
+    if not os.path.exists(final) and os.path.isdir(final + ".old"):
+        return final + ".old"
     return final
 
 
@@ -167,7 +195,7 @@ def load_checkpoint(
     iteration = read_tracker(args.load)
     if iteration is None:
         return None
-    folder = checkpoint_dir(args.load, iteration)
+    folder = committed_dir(args.load, iteration)
     path = rank_file(folder, state)
     if os.path.exists(os.path.join(folder, ".metadata")):  # DCP's
         raise FileNotFoundError(

@@ -25,9 +25,10 @@ hand-written tensor parallelism is refused (``arguments/``): its shards are plai
 name on every tp rank, which DCP would take for replicas. DTensor's (``--tensor-parallel-impl
 dtensor``) are DTensors: a checkpoint of FSDP2 over 4 ranks loads into TP 2 (x FSDP2), or 1 rank.
 
-Atomic as the torch format: everything is written into ``iter_0000006.tmp/``; once DCP's
-``.metadata`` is there (it is written last, after every rank's data), rank 0 renames the folder
-and then the tracker (``checkpointing.commit``).
+Atomic and durable as the torch format: everything is written into ``iter_0000006.tmp/`` (DCP
+fsyncs every rank's files, its ``FileSystemWriter(sync_files=True)`` default; ``common.pt`` is
+fsynced too); once DCP's ``.metadata`` is there (it is written last, after every rank's data),
+rank 0 fsyncs the folder, puts it in place and then the tracker (``checkpointing.commit``).
 
 ``--async-save`` (``dcp.async_save``): the save blocks for the state dicts, ``common.pt`` and
 the copy of every tensor to CPU memory (DCP's stager: the next steps change the parameters);
@@ -64,7 +65,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.checkpointing import checkpointing, durable
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.parallel_state import ParallelState
 
@@ -108,7 +109,7 @@ def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple
     if state.rank == 0:
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "scaler": scaler_state,
                   "rng": dict(rngs), "args": dataclasses.asdict(args)}  # fmt: skip
-        torch.save(common, os.path.join(tmp, COMMON))
+        durable.write_file(os.path.join(tmp, COMMON), lambda f: torch.save(common, f))
     return tmp, _state_dict(model, optimizer, with_optimizer=bool(optimizer.state))
 
 
@@ -155,7 +156,7 @@ def load_checkpoint(
     iteration = checkpointing.read_tracker(args.load)
     if iteration is None:
         return None
-    folder = checkpointing.checkpoint_dir(args.load, iteration)
+    folder = checkpointing.committed_dir(args.load, iteration)
     if not os.path.exists(os.path.join(folder, ".metadata")):
         legacy = os.path.isdir(folder) and any(name.startswith("mp_rank_") for name in os.listdir(folder))
         raise FileNotFoundError(

@@ -4,7 +4,9 @@ The average over the ranks holding the same weights, ``g = (1 / (dp cp)) sum_r g
 ``state.dp_cp_group`` (the dp group when cp = 1), is element-wise, so it may be computed piece by piece.
 The parameters, in the reverse of their registration order (roughly the order backward produces
 their gradients: last layer first), are cut into buckets of at least ``--ddp-bucket-size``
-elements (Megatron's meaning; default ``max(4e7, 1e6 x dp)``)::
+elements (Megatron's meaning; default ``max(4e7, 1e6 x dp)``, with dp the data-parallel size
+without cp: Megatron-LM's ``DistributedDataParallel`` takes ``dp_group.size()``, its data-parallel
+group ``with_context_parallel=False``, although the buckets are reduced over dp x cp)::
 
     params   wte wpe | layer0 ... layer(L-1) | ln_f            (registration order)
     buckets  [ln_f, layer(L-1) ...] [... layer0 ...] [... wpe, wte]   (bucket 0 reduced first)
@@ -39,7 +41,9 @@ def is_expert(p: nn.Parameter) -> bool:
 
 
 def default_bucket_size(dp: int) -> int:
-    """Megatron's default ``--ddp-bucket-size`` (elements): large enough not to be latency-bound."""
+    """Megatron's default ``--ddp-bucket-size`` (elements), ``max(4e7, 1e6 x dp)``: large enough not
+    to be latency-bound. ``dp`` is the data-parallel size without cp, as Megatron-LM's
+    ``distributed_data_parallel.py`` reads it (``dp_group``, not ``dp_cp_group``)."""
     return max(40_000_000, 1_000_000 * dp)
 
 

@@ -3,13 +3,21 @@
 Notation: L layers, h hidden, a heads, s sequence, b micro batch, V padded vocabulary,
 P parameters on this rank, tp / pp / dp / cp the parallel sizes, M micro-batches per step.
 
-**Model states** (bytes per parameter; ZeRO, Rajbhandari et al. 2020, with K the optimizer's)::
+**Model states** (bytes per parameter, K the optimizer's)::
 
-    precision              parameters  gradients  optimizer (Adam)
-    fp32                   4           4          8   (exp_avg + exp_avg_sq)
-    mixed (Megatron / DS)  2           2          12  (fp32 master + exp_avg + exp_avg_sq)
-    this engine, fp16/bf16 4 (+2)      4          8   (fp32 weights; autocast's half copies
-                                                       of the weights live through fwd/bwd)
+    precision                     parameters  gradients  optimizer (Adam)             total
+    fp32                          4           4          8   (exp_avg + exp_avg_sq)   16
+    mixed, ZeRO's count (DS)      2           2          12  (fp32 master + moments)  16
+    mixed, Megatron-LM fp16       2           2 + 4      12  (fp32 main grad too)     20
+    mixed, Megatron-LM bf16       2           4          12  (grads kept in fp32)     18
+    this engine, fp16/bf16        4 (+2)      4          8   (fp32 weights; autocast's half copies
+                                                              of the weights live through fwd/bwd)
+
+ZeRO's count is Rajbhandari et al. (2020), the one DeepSpeed's mixed precision has. Megatron-LM's
+table (its distributed-optimizer documentation, without the distributed optimizer) gives 20 bytes
+with fp16 parameters and gradients (the gradients are copied to fp32 main gradients for the step)
+and 18 with bf16 parameters and fp32 gradients; its distributed optimizer shards the fp32 main
+parameters and moments (with fp16, the fp32 main gradients too): 4 + 16/dp and 6 + 12/dp.
 
 ZeRO stage 1 divides the optimizer state by dp, stage 2 also the gradients, stage 3 also the
 parameters; offload moves the optimizer state (stage 3: also the parameters) to the CPU.

@@ -15,12 +15,30 @@ allocated then, or on the CPU the peak resident set (``VmHWM``, its mark reset) 
 resident set then. :func:`cap_device_memory` is ``--device-memory-gib``: a CUDA budget that
 makes an out-of-memory sweep fail at the same micro batch on a 16 GB and an 80 GB card.
 
+On the CPU the resident set also holds what glibc's malloc keeps of freed tensors. By default its
+mmap threshold starts at 128 KiB and rises to the size of every mapped block freed (up to 32 MiB),
+so after the first large free, tensors come from the heap, and a freed one stays resident as a hole
+that a later, larger tensor cannot reuse. Which holes exist at the peak depends on the order of
+allocations and frees, and that order is not the same from run to run: the process has threads
+beside the main one (OpenMP's workers; gloo's, which run every collective, also on one rank),
+and the holes moved even with one OpenMP thread and the gradient bucket's all-reduce left out.
+Measured on 2 shared cores (4 layers, b 16, 16 heads, unfused attention, 2 threads), one run read
+between 305 and 342 MiB, the same run with selective recomputation between 173 and 287 MiB, in
+steps of the 16 MiB score tensor: the 64 MiB the recomputation saves is inside that noise, and
+notebook 07's check that the peak falls failed on a busy machine. :meth:`PeakMeter.start`
+therefore fixes the threshold (``mallopt(M_MMAP_THRESHOLD, 64 KiB)``, what
+``MALLOC_MMAP_THRESHOLD_=65536`` does from the start): every block above 64 KiB is its own
+mapping, returned on free, and the peak above the baseline is the live tensors'. The same runs
+then read 237.0-237.2 and 172.8-173.1 MiB beside 2 busy processes (233.1-233.3 and 169.1-169.2
+with the variable set from the start), for 231.1 and 167.1 predicted.
+
 This file measures; ``memory_estimate`` (torch-free) predicts, from a
 :class:`~distlab.gpt.memory.memory_estimate.MemorySetup` built by ``MemorySetup.from_run``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 import resource
 import sys
@@ -128,6 +146,22 @@ def reset_cpu_peak() -> int:
     return 1024 * _status_kib("VmRSS")
 
 
+M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+MMAP_THRESHOLD = 64 * 1024
+
+
+def fix_malloc_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
+    """glibc: ``mallopt(M_MMAP_THRESHOLD, threshold)``, which also stops the threshold's rise: every
+    block above ``threshold`` bytes is mapped on its own and unmapped on free. True when set; False
+    where the C library has no ``mallopt`` (macOS) or ignores it (musl)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
+
+
 def cpu_peak_since(baseline: int) -> int:
     """Peak RSS (``VmHWM``) above ``baseline`` bytes, since the last :func:`reset_cpu_peak`."""
     return 1024 * _status_kib("VmHWM") - baseline
@@ -141,11 +175,14 @@ class PeakMeter:
     baseline: int = field(default=0, init=False)
 
     def start(self) -> PeakMeter:
-        """Reset the peak mark and record the baseline (call just before building the model)."""
+        """Reset the peak mark and record the baseline (call just before building the model); on
+        the CPU first fix malloc's mmap threshold (:func:`fix_malloc_threshold`, see the module's
+        docstring), so that what is freed leaves the resident set."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
         else:
+            fix_malloc_threshold()
             self.baseline = reset_cpu_peak()
         return self
 

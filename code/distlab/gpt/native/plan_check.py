@@ -114,3 +114,22 @@ def plan_is_right(result: dict) -> bool:
         torch.tensor(result["losses"]), torch.tensor(result["reference"]), rtol=1e-6, atol=0
     )
     return close and result["collectives"] == {"all_reduce": 4}
+
+
+def what_is_wrong(result: dict) -> str:
+    """Why :func:`plan_is_right` refused ``result``, in words ("" when it did not)."""
+    if result["error"] or result["losses"] is None:
+        return (
+            f"PyTorch could not run it ({result['error']}): the layouts of fc1's output and fc2's input "
+            "must agree; which layer is split by columns, which by rows?"
+        )
+    if not torch.allclose(
+        torch.tensor(result["losses"]), torch.tensor(result["reference"]), rtol=1e-6, atol=0
+    ):
+        return f"its losses {result['losses']} are not one process's {result['reference']} (within 1e-6)"
+    if result["collectives"] != {"all_reduce": 4}:
+        return (
+            f"block 1 ran {result['collectives']} where Megatron's runs {{'all_reduce': 4}} (f and g of the "
+            "attention and of the MLP): the MLP must not communicate between fc1 and fc2"
+        )
+    return ""
