@@ -56,8 +56,8 @@ never up (``tests/test_imports.py`` checks it)::
                        ~ training/training.py, training/dist_signal_handler.py
     native/            PyTorch's own: dtensor_parallel, fsdp2, torch_pipelining, torch_compile,
                        plan_check ~ distributed/torch_fully_sharded_data_parallel.py (torchtitan)
-    memory/            memory_estimate (predicted), meters (measured), activation_memory and
-                       cp_measure (one against the other) ~ training/theoretical_memory_usage.py
+    memory/            setup and memory_estimate (predicted), meters (measured), activation_memory
+                       and cp_measure (one against the other) ~ training/theoretical_memory_usage.py
     build.py           everything a run holds, built once from the arguments and the layout
                        ~ training/training.py's setup_model_and_optimizer
     pretrain.py        the training loop of pretrain_gpt.py ~ training/training.py's pretrain
