@@ -25,8 +25,10 @@ elif [ -n "${LAB_VENV:-}" ]; then source "$LAB_VENV/bin/activate" || exit 1; fi
 export LAB_CODE="$LAB_ROOT/code"
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
-# CPUs: since Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch, so each step
-# would get one CPU per task. SRUN_CPUS_PER_TASK hands the request on. A task that starts
+# CPUs: Slurm 22.05 and 23.02 (Debian 12 ships 22.05) do not let srun inherit --cpus-per-task from
+# sbatch, so each step would get one CPU per task; SRUN_CPUS_PER_TASK hands the request on. Up to
+# 21.08 and from 23.11 srun reads SLURM_CPUS_PER_TASK again (23.11 no longer reads SRUN_CPUS_PER_TASK),
+# which sbatch already exports. A task that starts
 # several ranks (torchrun) shares its CPUs among them: distlab caps each worker's threads at its
 # share of the cores it may use (distlab.distributed.cap_cpu_threads). A script that asks for no
 # CPUs gets Slurm's default (one per task) and PyTorch's own thread count.

@@ -330,7 +330,7 @@ def test_the_nodes_side_of_faults_starts_without_torch() -> None:
     assert out.stdout.strip() == "False", out
 
 
-# --- the torchrun lines of notebooks 09 and 10 ---------------------------------------------------
+# --- the torchrun lines of every notebook -----------------------------------------------------------
 NOTEBOOKS_9_10 = [
     REPO_ROOT / "notebooks" / "09_context_and_expert_parallelism.ipynb",
     REPO_ROOT / "solutions" / "09_context_and_expert_parallelism_solution.ipynb",
@@ -349,17 +349,28 @@ def _batch_scripts(path: Path) -> list[str]:
 
 def test_multi_node_torchrun_lines_name_their_rendezvous():
     """PyTorch's documentation asks multi-node runs for a --rdzv-id shared by the nodes and unique to
-    the job: every torchrun line of notebooks 09 and 10 with a c10d endpoint sets the job's id."""
+    the job: every line of every notebook's batch scripts with a c10d endpoint sets the job's id, and
+    so do the launch lines in the entry scripts' docstrings."""
+    books = sorted((REPO_ROOT / "notebooks").glob("*.ipynb")) + sorted(
+        (REPO_ROOT / "solutions").glob("*.ipynb")
+    )
     lines = [
-        line
-        for p in NOTEBOOKS_9_10
+        (p.name, line)
+        for p in books
         for s in _batch_scripts(p)
         for line in s.splitlines()
-        if "torchrun --" in line and not line.lstrip().startswith("#")
+        if "--rdzv-endpoint=" in line and not line.lstrip().startswith("#")
     ]
-    assert len(lines) >= 12
-    for line in lines:
-        assert "--rdzv-endpoint=" in line and "--rdzv-id=$SLURM_JOB_ID" in line, line
+    lines += [
+        (p.name, line)
+        for p in sorted((REPO_ROOT / "code").glob("*.py"))
+        for line in p.read_text().replace("\\\n", " ").splitlines()
+        if "--rdzv-endpoint=" in line
+    ]
+    assert len(lines) >= 30
+    assert {name for name, _ in lines} >= {p.name for p in NOTEBOOKS_9_10}
+    missing = [(name, line.strip()) for name, line in lines if "--rdzv-id=$SLURM_JOB_ID" not in line]
+    assert not missing, missing
 
 
 def test_the_grace_that_signal_buys_reaches_the_workers(monkeypatch):

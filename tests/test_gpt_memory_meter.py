@@ -51,3 +51,25 @@ def test_default_malloc_keeps_a_freed_block_in_the_peak() -> None:
 def test_the_meter_measures_the_live_tensors() -> None:
     # the fix: PeakMeter.start fixes the threshold, a's block is unmapped on free
     assert 36 - 2 <= peak_mib(meter=True) <= 36 + 4
+
+
+REUSE = """
+import torch
+from distlab.gpt.memory import meters as memory
+meter = memory.PeakMeter(torch.device("cpu")).start()
+{stop}
+keep = torch.ones(16 * 2**20 // 4)
+before = memory.reset_cpu_peak()
+del keep                               # 16 MiB freed: unmapped at once, or kept in the heap for reuse
+print((before - memory.reset_cpu_peak()) // 2**20)
+"""
+
+
+@pytest.mark.parametrize("stopped,returned", [(False, 16), (True, 0)])
+def test_after_the_measured_iteration_freed_blocks_are_kept_for_reuse(stopped, returned) -> None:
+    # PeakMeter.stop() hands malloc glibc's ceiling (32 MiB): later iterations reuse the heap
+    # instead of mapping and faulting in every block again
+    code = REUSE.format(stop="meter.stop()" if stopped else "")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert abs(int(done.stdout.split()[-1]) - returned) <= 1

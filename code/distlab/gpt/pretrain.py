@@ -120,6 +120,7 @@ def report_memory(run: Run) -> None:
     setup = MemorySetup.from_run(run.args, run.layout, run.vocab_size, run.deepspeed_config)
     predicted = estimate(setup).peak(first_iteration=True, accumulating=run.layout.num_micro_batches > 1)
     line = format_prediction(predicted, *run.peak_meter.peak())
+    run.peak_meter.stop()  # the first iteration was the measured one
     if (
         run.deepspeed_config is not None
     ):  # the estimate has ZeRO's shards, not DeepSpeed's flat buffers and buckets

@@ -30,7 +30,9 @@ therefore fixes the threshold (``mallopt(M_MMAP_THRESHOLD, 64 KiB)``, what
 ``MALLOC_MMAP_THRESHOLD_=65536`` does from the start): every block above 64 KiB is its own
 mapping, returned on free, and the peak above the baseline is the live tensors'. The same runs
 then read 237.0-237.2 and 172.8-173.1 MiB beside 2 busy processes (233.1-233.3 and 169.1-169.2
-with the variable set from the start), for 231.1 and 167.1 predicted.
+with the variable set from the start), for 231.1 and 167.1 predicted. Mapping every block costs
+page faults (an fp32 iteration at b 16 about a fifth slower), so :meth:`PeakMeter.stop`, after the
+measured first iteration, sets glibc's ceiling instead (32 MiB, where its rising threshold ends).
 
 This file measures; ``memory_estimate`` (torch-free) predicts, from a
 :class:`~distlab.gpt.memory.memory_estimate.MemorySetup` built by ``MemorySetup.from_run``.
@@ -146,20 +148,34 @@ def reset_cpu_peak() -> int:
     return 1024 * _status_kib("VmRSS")
 
 
-M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 MMAP_THRESHOLD = 64 * 1024
+MMAP_THRESHOLD_MAX = 32 * MiB  # glibc's ceiling for its rising threshold (64-bit); it trims at twice it
+
+
+def _mallopt(param: int, value: int) -> bool:
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(param, value) == 1
 
 
 def fix_malloc_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
     """glibc: ``mallopt(M_MMAP_THRESHOLD, threshold)``, which also stops the threshold's rise: every
     block above ``threshold`` bytes is mapped on its own and unmapped on free. True when set; False
     where the C library has no ``mallopt`` (macOS) or ignores it (musl)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
+    return _mallopt(M_MMAP_THRESHOLD, threshold)
+
+
+def release_malloc_threshold() -> bool:
+    """After the measured iteration: thresholds where glibc's own rise ends (mmap 32 MiB, trim 64
+    MiB), so that later iterations reuse freed heap memory instead of mapping, and faulting in,
+    every block again (with the 64 KiB threshold an fp32 iteration of notebook 07's model at b 16
+    took about a fifth longer). True when set."""
+    mmap = _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+    return _mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX) and mmap
 
 
 def cpu_peak_since(baseline: int) -> int:
@@ -185,6 +201,12 @@ class PeakMeter:
             fix_malloc_threshold()
             self.baseline = reset_cpu_peak()
         return self
+
+    def stop(self) -> None:
+        """The measurement is over (the driver reads :meth:`peak` after the first iteration): on the
+        CPU, :func:`release_malloc_threshold` for the speed of the iterations that follow."""
+        if self.device.type != "cuda":
+            release_malloc_threshold()
 
     def peak(self) -> tuple[int, str]:
         """(peak bytes above the baseline, how it was measured)."""
