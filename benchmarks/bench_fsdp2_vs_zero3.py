@@ -21,7 +21,7 @@ import json
 import statistics
 from pathlib import Path
 
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.logs.formats import COMPILE
 from distlab.logs.megatron import iterations
 

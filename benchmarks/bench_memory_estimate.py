@@ -37,8 +37,8 @@ import torch
 
 from distlab import REPO_ROOT
 from distlab.distributed import free_port
-from distlab.gpt.local_run import prepare_data
-from distlab.gpt.log import ITERATION_RE
+from distlab.gpt.tools.local_run import prepare_data
+from distlab.gpt.training.log import ITERATION_RE
 from distlab.logs.memory import prediction
 
 RECOMPUTE = {  # the grid's recompute column -> pretrain_gpt.py's flags

@@ -31,11 +31,11 @@ import torch.distributed as dist
 
 from distlab.comm import launch
 from distlab.distributed import print_on, shutdown
-from distlab.gpt.grad_buckets import assign_buckets
+from distlab.gpt.distributed.grad_buckets import assign_buckets
 from distlab.gpt.layout import Layout
-from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.training import LocalBackend, forward_backward
+from distlab.gpt.training.training import LocalBackend, forward_backward
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
 
 def build(state: ParallelState, cfg: GPTConfig, bucket: int | None) -> LocalBackend:

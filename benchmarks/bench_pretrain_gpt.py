@@ -28,13 +28,13 @@ import torch
 from distlab import REPO_ROOT
 from distlab.distributed import free_port, usable_cpus
 from distlab.gpt.arguments import parse_args, parse_split, validate_args
-from distlab.gpt.gpt_dataset import build_datasets
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
-from distlab.gpt.model import GPTConfig, GPTModel
-from distlab.gpt.optimizer import LRSchedule, build_optimizer
+from distlab.gpt.data.gpt_dataset import build_datasets
+from distlab.gpt.data.tokenizer import GPT2BPETokenizer
+from distlab.gpt.optimizer.optimizer import LRSchedule, build_optimizer
 from distlab.gpt.pretrain import pretrain
-from distlab.gpt.tensor_parallel import pad_vocab_size
-from distlab.gpt.tokenizer import GPT2BPETokenizer
+from distlab.gpt.tensor_parallel.layers import pad_vocab_size
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
 #                name         layers hidden heads seq micro  (global batch = micro: world size 1)
 CONFIGS = {

@@ -2,7 +2,7 @@
 
 Input: JSON lines (``.json``/``.jsonl``, text under ``--json-keys``, default ``text``), or plain
 text where documents are separated by blank lines. Output: ``<output-prefix>_<key>_document.bin``
-and ``.idx`` (format in ``distlab.gpt.indexed_dataset``), which ``--data-path`` names without the
+and ``.idx`` (format in ``distlab.gpt.data.indexed_dataset``), which ``--data-path`` names without the
 suffix::
 
     python code/preprocess_data.py --input data/gpt/stdlib_docstrings.jsonl --output-prefix data/gpt/stdlib \\
@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterator
 from multiprocessing import Pool
 
-from distlab.gpt.indexed_dataset import IndexedDatasetBuilder, best_dtype
-from distlab.gpt.tokenizer import GPT2BPETokenizer
+from distlab.gpt.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from distlab.gpt.data.tokenizer import GPT2BPETokenizer
 
 _TOK: GPT2BPETokenizer | None = None
 

@@ -38,7 +38,7 @@ The course's exercise layout, tensor parallel 2 x pipeline parallel 2 over 2 nod
     srun torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d \\
         --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID code/pretrain_gpt.py $ARGS \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b \\
-        --pipeline-timeline runs/gpt/timeline.json    # plot: distlab.gpt.pipeline_plot.plot_timelines
+        --pipeline-timeline runs/gpt/timeline.json    # plot: distlab.gpt.pipeline_parallel.plot.plot_timelines
 
 Restarts: when a rank dies, torchrun stops the others and starts all of them again, up to
 --max-restarts times. With --load equal to --save the new attempt resumes from the latest

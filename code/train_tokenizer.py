@@ -19,7 +19,7 @@ from pathlib import Path
 from preprocess_data import read_documents
 
 from distlab import REPO_ROOT
-from distlab.gpt.tokenizer import stdlib_docstrings, train_bpe, write_corpus_jsonl
+from distlab.gpt.data.tokenizer import stdlib_docstrings, train_bpe, write_corpus_jsonl
 
 
 def main(argv: list[str] | None = None) -> int:

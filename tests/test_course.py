@@ -10,7 +10,7 @@ import pytest
 
 from distlab import REPO_ROOT, course
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.indexed_dataset import IndexedDataset
+from distlab.gpt.data.indexed_dataset import IndexedDataset
 
 
 def test_each_notebook_gets_its_local_model_and_arguments_the_engine_reads():

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 from distlab.distributed import DistContext
-from distlab.gpt import checkpointing
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
-from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,7 +38,9 @@ def _scenario(ctx: DistContext, root: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).mean().backward()
     opt.step()
-    checkpointing.save_checkpoint(args, state, model, opt, {"scale": 8.0}, iteration=1, consumed_samples=4)
+    checkpointing.save_checkpoint(
+        args, state, Snapshot(model, opt, {"scale": 8.0}, iteration=1, consumed_samples=4)
+    )
     saved = {k: v.clone() for k, v in model.state_dict().items()}
 
     real_save = torch.save
@@ -49,7 +52,9 @@ def _scenario(ctx: DistContext, root: str) -> None:
     torch.save = dying_save
     try:
         with pytest.raises(KeyboardInterrupt):
-            checkpointing.save_checkpoint(args, state, model, opt, None, iteration=2, consumed_samples=8)
+            checkpointing.save_checkpoint(
+                args, state, Snapshot(model, opt, None, iteration=2, consumed_samples=8)
+            )
     finally:
         torch.save = real_save
     dist.barrier()
@@ -111,7 +116,7 @@ class FileSystemSteps:
     def __enter__(self) -> FileSystemSteps:
         import shutil
 
-        from distlab.gpt import durable
+        from distlab.gpt.checkpointing import durable
 
         real, rmtree, exchange = self.real, shutil.rmtree, durable.exchange
 
@@ -203,7 +208,7 @@ def _crash_worker(ctx: DistContext, root: str, fmt: str, out: str) -> None:
 
     def save(where: str, iteration: int) -> None:
         save_fn = dist_checkpointing.save_checkpoint if fmt == "torch_dist" else checkpointing.save_checkpoint
-        save_fn(_args(where, ckpt_format=fmt), state, model, opt, None, iteration, 4 * iteration)
+        save_fn(_args(where, ckpt_format=fmt), state, Snapshot(model, opt, None, iteration, 4 * iteration))
 
     def loaded(where: str) -> tuple[int, str]:
         weights(100.0)
@@ -213,7 +218,7 @@ def _crash_worker(ctx: DistContext, root: str, fmt: str, out: str) -> None:
         same = [name for name, w in states.items() if all(torch.equal(now[k], v) for k, v in w.items())]
         return iteration, "".join(same)
 
-    from distlab.gpt import dist_checkpointing
+    from distlab.gpt.checkpointing import dist_checkpointing
 
     base = [p.detach().clone() for p in model.parameters()]
     states = {"A": weights(1.0), "B": weights(2.0), "C": weights(3.0)}

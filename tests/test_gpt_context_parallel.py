@@ -22,11 +22,17 @@ import torch.nn.functional as F
 from distlab.checks import ExerciseError
 from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.context_parallel import Ring, describe, pair_work, ring_attention, split_sequence
+from distlab.gpt.context_parallel.ring_attention import (
+    Ring,
+    describe,
+    pair_work,
+    ring_attention,
+    split_sequence,
+)
 from distlab.gpt.layout import Layout
-from distlab.gpt.local_run import prepare_data, pretrain_as_rank
-from distlab.gpt.memory_estimate import MemorySetup, activation_bytes
+from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
 from distlab.logs.exercise import (
     check_long_sequence_run,
     long_sequence_budget,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from distlab import REPO_ROOT
-from distlab.gpt.gpt_dataset import GPTDataset, build_datasets, split_ranges
-from distlab.gpt.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from distlab.gpt.tokenizer import EOD_TOKEN, GPT2BPETokenizer, stdlib_docstrings, train_bpe
+from distlab.gpt.data.gpt_dataset import GPTDataset, build_datasets, split_ranges
+from distlab.gpt.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer, stdlib_docstrings, train_bpe
 
 pytestmark = pytest.mark.timeout(120)
 CODE = REPO_ROOT / "code"

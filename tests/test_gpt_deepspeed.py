@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from distlab.distributed import DistContext
-from distlab.gpt.deepspeed_config import load_config, refuse_model_parallel
+from distlab.gpt.deepspeed.config import load_config, refuse_model_parallel
 from distlab.gpt.layout import Layout
 from tests.conftest import run_gloo
 
@@ -83,8 +83,8 @@ def _batches(rank: int) -> list:
 
 def _model_and_optimizer():
     from distlab.gpt.arguments import PretrainArgs
-    from distlab.gpt.model import GPTConfig, GPTModel
-    from distlab.gpt.optimizer import build_optimizer
+    from distlab.gpt.optimizer.optimizer import build_optimizer
+    from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
     model = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
                                max_position_embeddings=SEQ, seed=7))  # fmt: skip
@@ -92,9 +92,9 @@ def _model_and_optimizer():
 
 
 def _worker(ctx: DistContext, out: str) -> None:
-    from distlab.gpt import deepspeed_engine as dse
+    from distlab.gpt.deepspeed import engine as dse
     from distlab.gpt.parallel_state import ParallelState
-    from distlab.gpt.training import LocalBackend, train_step
+    from distlab.gpt.training.training import LocalBackend, train_step
 
     rank = ctx.rank
     state = ParallelState.build(Layout(WORLD))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from distlab import REPO_ROOT
-from distlab.gpt import diagrams
+from distlab.gpt.tools import diagrams
 
 
 def test_diagrams_draw_and_are_committed(tmp_path):

@@ -20,13 +20,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distlab.distributed import DistContext
-from distlab.gpt import checkpointing, dist_checkpointing
 from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
+from distlab.gpt.checkpointing import checkpointing, dist_checkpointing
+from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
-from distlab.gpt.local_run import RunResult, prepare_data, spawn_pretrain
-from distlab.gpt.model import GPTConfig, GPTModel
-from distlab.gpt.optimizer import build_optimizer
+from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tools.local_run import RunResult, prepare_data, spawn_pretrain
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.logs.formats import SAVED
 from tests.conftest import run_gloo
 from tests.test_gpt_training import TINY
@@ -108,7 +109,7 @@ def _pipeline_scenario(ctx: DistContext, root: str) -> None:
         return model, optimizer
 
     model, optimizer = build()  # no step yet: only the model is saved (fp16 overflows, e.g.)
-    dist_checkpointing.save_checkpoint(args, state, model, optimizer, {"scale": 8.0}, 1, 4)
+    dist_checkpointing.save_checkpoint(args, state, Snapshot(model, optimizer, {"scale": 8.0}, 1, 4))
     fresh, fresh_opt = perturbed()
     loaded = dist_checkpointing.load_checkpoint(args, state, fresh, fresh_opt)
     result = {"loaded": list(loaded), "no_state": not fresh_opt.state}
@@ -118,7 +119,7 @@ def _pipeline_scenario(ctx: DistContext, root: str) -> None:
     for p in model.parameters():  # one Adam step on made-up gradients
         p.grad = torch.randn_like(p)
     optimizer.step()
-    dist_checkpointing.save_checkpoint(args, state, model, optimizer, None, 2, 8)
+    dist_checkpointing.save_checkpoint(args, state, Snapshot(model, optimizer, None, 2, 8))
     fresh, fresh_opt = perturbed()
     dist_checkpointing.load_checkpoint(args, state, fresh, fresh_opt)
     result["model_2"] = all(

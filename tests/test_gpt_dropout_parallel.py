@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.local_run import prepare_data
+from distlab.gpt.tools.local_run import prepare_data
 from tests.conftest import TINY_GPT_ARGV, run_gloo
 
 pytestmark = pytest.mark.timeout(240)
@@ -47,7 +47,7 @@ def _build(ctx: DistContext, argv: list[str]):
 def _replicated_grads(ctx: DistContext, argv: list[str]) -> dict[str, list[float]]:
     """One forward and backward of the step's micro-batches; each plain (replicated) parameter's
     gradient, with its largest difference to tp rank 0's."""
-    from distlab.gpt.training import forward_backward
+    from distlab.gpt.training.training import forward_backward
 
     run = _build(ctx, argv)
     run.model.train()
@@ -152,7 +152,7 @@ RECOMPUTE = {
 def _recompute_worker(ctx: DistContext, argv: list[str], out: str) -> None:
     """Every parameter's gradient of one forward and backward without recomputation and with
     each mode (each run seeded alike by build_run): the largest difference to the plain run's."""
-    from distlab.gpt.training import forward_backward
+    from distlab.gpt.training.training import forward_backward
 
     grads = {}
     for mode, flags in {"none": [], **RECOMPUTE}.items():
@@ -183,8 +183,8 @@ def test_recomputation_replays_both_random_streams(data, tmp_path, sp) -> None:
 def test_a_checkpoints_rng_state_holds_the_model_parallel_stream() -> None:
     """A resumed run draws the masks the uninterrupted one would: ``checkpointing.rng_state``
     keeps the tracker's stream, ``set_rng_state`` restores it (``tracker=False`` leaves it)."""
-    from distlab.gpt import checkpointing
-    from distlab.gpt.rng_tracker import get_rng_tracker, model_parallel_manual_seed
+    from distlab.gpt.checkpointing import checkpointing
+    from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker, model_parallel_manual_seed
 
     model_parallel_manual_seed(7, tp_rank=1)
     with get_rng_tracker().fork():

@@ -20,12 +20,12 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from distlab.distributed import DistContext
-from distlab.gpt import checkpointing
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.dtensor_parallel import as_nn_linear, check_plan
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
-from distlab.gpt.model import GPTConfig, GPTModel
-from distlab.gpt.plan_check import block_collectives, plan_is_right, try_mlp_plan
+from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.native.dtensor_parallel import as_nn_linear, check_plan
+from distlab.gpt.native.plan_check import block_collectives, plan_is_right, try_mlp_plan
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.logs.formats import VOCAB_PADDING
 from distlab.logs.megatron import parameter_counts
 from tests.conftest import run_gloo
@@ -72,8 +72,8 @@ def _train(ctx: DistContext, argv: list[str]) -> dict:
 
 
 def _worker(ctx: DistContext, argv: list[str], runs: dict[str, list[str]], out: str) -> None:
-    from distlab.gpt.dtensor_parallel import device_mesh
     from distlab.gpt.layout import Layout
+    from distlab.gpt.native.dtensor_parallel import device_mesh
 
     results = {name: _train(ctx, [*argv, *flags]) for name, flags in runs.items()}
     try:  # a layout for another world size: refused before a group is made

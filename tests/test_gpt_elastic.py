@@ -23,7 +23,7 @@ import pytest
 
 from distlab import REPO_ROOT
 from distlab.distributed import free_port
-from distlab.gpt.local_run import prepare_data
+from distlab.gpt.tools.local_run import prepare_data
 from distlab.logs import restarts
 from tests.test_gpt_restart import WORKER, kill_workers
 

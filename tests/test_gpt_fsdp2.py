@@ -21,7 +21,7 @@ import torch
 
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.logs.formats import MEMORY
 from tests.conftest import run_gloo
 from tests.test_gpt_training import TINY
@@ -58,8 +58,8 @@ def train_in_group(ctx: DistContext, argv: list[str]) -> tuple:
 def _train(ctx: DistContext, argv: list[str]) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from distlab.gpt import fsdp2
-    from distlab.gpt.memory import memory_stats
+    from distlab.gpt.memory.meters import memory_stats
+    from distlab.gpt.native import fsdp2
 
     run, history, log = train_in_group(ctx, argv)
     params = [p for g in run.optimizer.param_groups for p in g["params"]]

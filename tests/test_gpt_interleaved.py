@@ -21,7 +21,7 @@ from torch.testing import assert_close
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.layout import Layout
-from distlab.gpt.memory_estimate import (
+from distlab.gpt.memory.memory_estimate import (
     MemorySetup,
     activation_bytes,
     chunk_layers_bytes,
@@ -29,13 +29,13 @@ from distlab.gpt.memory_estimate import (
     estimate,
     stage_layers_bytes,
 )
-from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.pipeline_interleaved import Round, interleaved_order, p2p_plan
-from distlab.gpt.pipeline_parallel import PipelineForwardBackward
-from distlab.gpt.pipeline_timeline import PipelineTimeline
-from distlab.gpt.pp_communications import P2PSpec
-from distlab.gpt.training import LocalBackend, forward_backward, reduce_loss, train_step
+from distlab.gpt.pipeline_parallel.interleaved import Round, interleaved_order, p2p_plan
+from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
+from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
+from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
+from distlab.gpt.training.training import LocalBackend, forward_backward, reduce_loss, train_step
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)
@@ -195,7 +195,7 @@ def test_estimate_of_interleaving(p: int, v: int, m: int) -> None:
     assert ratio == pytest.approx(expected)
     assert chunk_layers_bytes(inter) * v == pytest.approx(stage_layers_bytes(plain))
     assert estimate(inter).parameters == estimate(plain).parameters  # the same L / pp layers
-    with pytest.raises(ValueError, match="must divide by pp 4 x vp 4"):
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 4 x 4 virtual stages per rank = 16"):
         setup(pp=4, vp=4, num_layers=8)
 
 

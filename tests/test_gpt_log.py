@@ -9,9 +9,15 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.flops import counted_flops, flops_line, measure_gemm_tflops, mfu, model_flops_per_iteration
-from distlab.gpt.log import ITERATION_RE, StepProfiler, iteration_line, validation_lines
-from distlab.gpt.optimizer import LRSchedule
+from distlab.gpt.optimizer.optimizer import LRSchedule
+from distlab.gpt.training.flops import (
+    counted_flops,
+    flops_line,
+    measure_gemm_tflops,
+    mfu,
+    model_flops_per_iteration,
+)
+from distlab.gpt.training.log import ITERATION_RE, StepProfiler, iteration_line, validation_lines
 
 # The line of the issue, which the notebooks grep (Megatron-LM's training_log).
 MEGATRON = (" iteration      100/     100 | consumed samples:          800 | elapsed time per iteration (ms): 537.3 |"
@@ -131,7 +137,7 @@ def test_measured_gemm_rate_counts_two_n_cubed_per_product(monkeypatch):
     """With a clock that advances 1 s per reading, one round of one product (after the start reading)
     takes 1 s: the rate is exactly 2 n^3 FLOP/s."""
     clock = iter(range(100))
-    monkeypatch.setattr("distlab.gpt.flops.time.perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr("distlab.gpt.training.flops.time.perf_counter", lambda: float(next(clock)))
     assert measure_gemm_tflops(torch.device("cpu"), size=8, rounds=1, min_time_s=0.5) == pytest.approx(
         2 * 8**3 / 1e12
     )
@@ -143,7 +149,7 @@ def test_measured_gemm_rate_with_the_jobs_threads_restores_torchs_count(monkeypa
     seen, before = [], torch.get_num_threads()
     torch.set_num_threads(2)
     clock = lambda: seen.append(torch.get_num_threads()) or float(len(seen))  # noqa: E731
-    monkeypatch.setattr("distlab.gpt.flops.time.perf_counter", clock)
+    monkeypatch.setattr("distlab.gpt.training.flops.time.perf_counter", clock)
     try:
         measure_gemm_tflops(torch.device("cpu"), size=8, rounds=1, min_time_s=0.5, threads=1)
         assert set(seen) == {1} and torch.get_num_threads() == 2

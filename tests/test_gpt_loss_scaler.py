@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from distlab.gpt.layout import Layout
-from distlab.gpt.loss_scaler import DynamicLossScaler, unscale_and_check
-from distlab.gpt.model import GPTConfig, GPTModel
+from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler, unscale_and_check
+from distlab.gpt.optimizer.precision import Precision
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.precision import Precision
-from distlab.gpt.training import LocalBackend, train_step
+from distlab.gpt.training.training import LocalBackend, train_step
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
 pytestmark = pytest.mark.timeout(60)
 

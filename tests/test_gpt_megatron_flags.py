@@ -13,7 +13,7 @@ import shlex
 import pytest
 import torch
 
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.logs.formats import ITERATION
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from distlab.distributed import free_port
-from distlab.gpt.local_run import prepare_data, pretrain_as_rank, spawn_pretrain
-from distlab.gpt.memory import MiB, PeakMeter, cap_device_memory, out_of_memory_message
+from distlab.gpt.memory.meters import MiB, PeakMeter, cap_device_memory, out_of_memory_message
+from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank, spawn_pretrain
 from distlab.logs.memory import prediction
 
 pytestmark = pytest.mark.timeout(240)
@@ -85,7 +85,8 @@ def test_zero_run_leaves_no_more_threads_than_a_plain_run(tmp_path: Path) -> Non
     ``engine.destroy()``, collection and DeepSpeed's own destroy, every group's gloo threads
     (a dozen) outlive ``pretrain`` into interpreter exit, where one that frees a tensor aborts
     the process. Released, a ZeRO run leaves what a plain run leaves. (So does importing
-    ``torch.distributed.fsdp`` before it, which only FSDP2 and DCP runs do: ``checkpointer.py``.)"""
+    ``torch.distributed.fsdp`` before it, which only FSDP2 and DCP runs do:
+    ``checkpointing/checkpointer.py``.)"""
     data = prepare_data(tmp_path / "data", vocab_size=512, max_files=80).argv()
     argv = [*data, "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
             "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",

@@ -9,8 +9,7 @@ import pytest
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.layout import Layout
-from distlab.gpt.memory import cpu_peak_since, reset_cpu_peak
-from distlab.gpt.memory_estimate import (
+from distlab.gpt.memory.memory_estimate import (
     MemorySetup,
     activation_bytes,
     block_bytes,
@@ -21,7 +20,8 @@ from distlab.gpt.memory_estimate import (
     stage_layers_bytes,
     stage_parameters,
 )
-from distlab.gpt.model import GPTConfig, GPTModel
+from distlab.gpt.memory.meters import cpu_peak_since, reset_cpu_peak
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
 SBH = 128 * 4 * 64  # s=128, b=4, h=64: 32,768 values
 FULL_1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -102,7 +102,9 @@ def test_bad_setups_fail_with_the_values() -> None:
         tiny(precision="fp8")
     with pytest.raises(ValueError, match="zero stage 4"):
         tiny(zero_stage=4)
-    with pytest.raises(ValueError, match="layers 4 must divide by pp 3"):
+    with pytest.raises(
+        ValueError, match="--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"
+    ):
         tiny(pp=3)
 
 
@@ -134,5 +136,7 @@ def test_from_run_reads_the_arguments_and_the_layout() -> None:
 
 
 def test_the_estimator_imports_without_torch() -> None:
-    code = "import sys, distlab.gpt.memory_estimate; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, distlab.gpt.memory.memory_estimate; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

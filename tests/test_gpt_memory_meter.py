@@ -16,13 +16,13 @@ import sys
 
 import pytest
 
-from distlab.gpt.memory import MiB
+from distlab.gpt.memory.meters import MiB
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc: Linux")
 
 HOLE = """
 import torch
-from distlab.gpt import memory
+from distlab.gpt.memory import meters as memory
 freed = torch.ones(24 * 2**20 // 4)   # a mapped block, freed: glibc's threshold rises to 24 MiB
 del freed
 start = memory.PeakMeter(torch.device("cpu")).start if {meter} else memory.reset_cpu_peak
@@ -55,7 +55,7 @@ def test_the_meter_measures_the_live_tensors() -> None:
 
 REUSE = """
 import torch
-from distlab.gpt import memory
+from distlab.gpt.memory import meters as memory
 meter = memory.PeakMeter(torch.device("cpu")).start()
 {stop}
 keep = torch.ones(16 * 2**20 // 4)

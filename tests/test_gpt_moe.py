@@ -1,4 +1,4 @@
-"""Mixture of experts and expert parallelism (``moe.py``, ``expert_parallel.py``).
+"""Mixture of experts and expert parallelism (``moe/moe_layer.py``, ``moe/expert_parallel.py``).
 
 Router, load-balancing loss and capacity against hand computations; dispatch and combine over
 gloo with uneven splits; a tiny MoE GPT trained 3 steps with ep = 2 and ep = 4 (dp = 4, fp32,
@@ -15,15 +15,22 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
-from distlab.gpt.expert_parallel import combine, dispatch
 from distlab.gpt.layout import Layout
-from distlab.gpt.memory_estimate import MemorySetup, stage_parameters
-from distlab.gpt.model import GPTConfig, GPTModel
-from distlab.gpt.moe import MoEConfig, attach_aux_loss, load_balancing_loss, moe_layers, route, take_stats
-from distlab.gpt.optimizer import build_optimizer
+from distlab.gpt.memory.memory_estimate import MemorySetup, stage_parameters
+from distlab.gpt.moe.expert_parallel import combine, dispatch
+from distlab.gpt.moe.moe_layer import (
+    MoEConfig,
+    attach_aux_loss,
+    load_balancing_loss,
+    moe_layers,
+    route,
+    take_stats,
+)
+from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pretrain import log_moe
-from distlab.gpt.training import LocalBackend, train_step
+from distlab.gpt.training.training import LocalBackend, train_step
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.logs.formats import MOE, tokens_per_expert
 from tests.conftest import run_gloo
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.grad_buckets import assign_buckets, default_bucket_size
+from distlab.gpt.distributed.grad_buckets import assign_buckets, default_bucket_size
 from distlab.gpt.layout import Layout
-from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.training import LocalBackend, train_step
+from distlab.gpt.training.training import LocalBackend, train_step
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.profiling.traces import Trace, communication_split, step_spans
 from tests.conftest import run_gloo
 from tests.test_gpt_arguments import BASE, files  # noqa: F401 - the fixture

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from distlab.distributed import free_port, spawn_ranks
-from distlab.gpt.local_run import prepare_data, pretrain_as_rank
-from distlab.gpt.pipeline_plot import plot_timelines
-from distlab.gpt.pipeline_timeline import load_timeline
+from distlab.gpt.pipeline_parallel.plot import plot_timelines
+from distlab.gpt.pipeline_parallel.timeline import load_timeline
+from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
 from tests.conftest import TINY_GPT_ARGV as MODEL
 from tests.conftest import assert_same_training
 

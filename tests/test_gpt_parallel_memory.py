@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distlab.gpt.memory import format_memory, memory_report, memory_stats
+from distlab.gpt.memory.meters import format_memory, memory_report, memory_stats
 
 
 def test_memory_stats_after_one_adam_step() -> None:

@@ -18,13 +18,18 @@ from torch import nn
 from torch.testing import assert_close
 
 from distlab.distributed import DistContext
-from distlab.gpt.gradients import reduce_gradients
+from distlab.gpt.distributed.gradients import reduce_gradients
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.pipeline_parallel import forward_backward_pipeline
-from distlab.gpt.pipeline_plot import plot_timelines
-from distlab.gpt.pipeline_timeline import PipelineTimeline, measured_bubble, save_timeline, theoretical_bubble
-from distlab.gpt.pp_communications import P2PSpec
+from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
+from distlab.gpt.pipeline_parallel.plot import plot_timelines
+from distlab.gpt.pipeline_parallel.schedules import forward_backward_pipeline
+from distlab.gpt.pipeline_parallel.timeline import (
+    PipelineTimeline,
+    measured_bubble,
+    save_timeline,
+    theoretical_bubble,
+)
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(240)

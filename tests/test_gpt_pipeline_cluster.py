@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from distlab import jobs
-from distlab.gpt.local_run import prepare_data
-from distlab.gpt.log import ITERATION_RE
-from distlab.gpt.pipeline_plot import plot_timelines
-from distlab.gpt.pipeline_timeline import load_timeline
+from distlab.gpt.pipeline_parallel.plot import plot_timelines
+from distlab.gpt.pipeline_parallel.timeline import load_timeline
+from distlab.gpt.tools.local_run import prepare_data
+from distlab.gpt.training.log import ITERATION_RE
 
 pytestmark = pytest.mark.timeout(300)
 

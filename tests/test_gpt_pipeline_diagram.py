@@ -1,4 +1,4 @@
-"""The GPipe and 1F1B diagram of ``distlab.gpt.pipeline_parallel``'s docstring is what the schedules
+"""The GPipe and 1F1B diagram of ``distlab.gpt.pipeline_parallel.schedules``'s docstring is what the schedules
 do: each stage's order (as ``run_gpipe`` and ``run_1f1b`` post it), replayed with one slot per F or B
 and each pass waiting for the neighbour it receives from, gives the drawn lines, and both leave
 (p - 1)/(m + p - 1) of every stage idle (the bubble; GPipe's is not larger than 1F1B's)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from distlab.gpt import pipeline_parallel
-from distlab.gpt.pipeline_timeline import theoretical_bubble
+from distlab.gpt.pipeline_parallel import schedules as pipeline_parallel
+from distlab.gpt.pipeline_parallel.timeline import theoretical_bubble
 
 
 def stage_order(schedule: str, p: int, m: int, s: int) -> list[tuple[str, int]]:

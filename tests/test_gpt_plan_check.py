@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from distlab.checks import FIXME, ExerciseError, check, untouched
-from distlab.gpt.plan_check import plan_is_right, try_mlp_plan, what_is_wrong
+from distlab.gpt.native.plan_check import plan_is_right, try_mlp_plan, what_is_wrong
 
 pytestmark = pytest.mark.timeout(300)
 

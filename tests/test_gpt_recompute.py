@@ -17,19 +17,20 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from distlab.gpt.arguments import PretrainArgs, _recompute_errors
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.arguments.validation import _recompute_errors
 from distlab.gpt.layout import Layout
-from distlab.gpt.memory_estimate import (
+from distlab.gpt.memory.memory_estimate import (
     MemorySetup,
     activation_bytes,
     estimate,
     scores_bytes,
     stage_layers_bytes,
 )
-from distlab.gpt.model import GPTConfig, GPTModel
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.recompute import checkpoint_groups, recompute_errors
-from distlab.gpt.rng_tracker import model_parallel_manual_seed
+from distlab.gpt.tensor_parallel.rng_tracker import model_parallel_manual_seed
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.recompute import checkpoint_groups, recompute_errors
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from distlab import REPO_ROOT
 from distlab.distributed import agent_store_namespace
-from distlab.gpt.local_run import prepare_data
+from distlab.gpt.tools.local_run import prepare_data
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -24,14 +24,14 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from distlab.distributed import free_port, spawn_ranks
-from distlab.gpt.activation_memory import measure_block, parse
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.gradients import reduce_gradients
+from distlab.gpt.distributed.gradients import reduce_gradients
 from distlab.gpt.layout import Layout
-from distlab.gpt.local_run import prepare_data, pretrain_as_rank
-from distlab.gpt.memory_estimate import MemorySetup, block_bytes, korthikanti_layer_bytes
-from distlab.gpt.model import Block, GPTConfig, init_parameters
+from distlab.gpt.memory.activation_memory import measure_block, parse
+from distlab.gpt.memory.memory_estimate import MemorySetup, block_bytes, korthikanti_layer_bytes
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
+from distlab.gpt.transformer.model import Block, GPTConfig, init_parameters
 from tests.conftest import TINY_GPT_ARGV as MODEL
 from tests.conftest import assert_same_training, run_gloo
 
@@ -220,7 +220,7 @@ def test_estimator_divides_every_term_by_tp() -> None:
         )
     tp_only = block_bytes(MemorySetup(**setup))
     assert tp_only == sbh * 4 * (4 + 12 / 4)  # residual and LayerNorm outputs whole on every rank
-    with pytest.raises(ValueError, match="sequence parallelism needs tp > 1, got tp 1"):
+    with pytest.raises(ValueError, match="--sequence-parallel needs --tensor-model-parallel-size > 1, got 1"):
         MemorySetup(**{**setup, "tp": 1}, sequence_parallel=True)
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from distlab.distributed import DistContext
-from distlab.gpt.tensor_parallel import (
+from distlab.gpt.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -23,7 +23,7 @@ from distlab.gpt.tensor_parallel import (
     shard,
     vocab_parallel_cross_entropy,
 )
-from distlab.gpt.tp_communications import gather_from_tensor_parallel
+from distlab.gpt.tensor_parallel.mappings import gather_from_tensor_parallel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""``--torch-compile`` (``torch_compile.py``): compiled blocks train to the eager losses.
+"""``--torch-compile`` (``native/torch_compile.py``): compiled blocks train to the eager losses.
 
 The tiny GPT (2 blocks) trains 4 iterations on 2 gloo ranks (data parallel), eager and with every
 block compiled by inductor, on the same batches. Inductor generates its own C++ loops for the
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.logs.formats import COMPILE
 from tests.test_gpt_training import TINY
 

@@ -1,4 +1,4 @@
-"""``torch.distributed.pipelining`` on the course's GPT (``torch_pipelining.py``): every schedule
+"""``torch.distributed.pipelining`` on the course's GPT (``native/torch_pipelining.py``): every schedule
 on 2 gloo ranks gives the losses of one process.
 
 A 4-block GPT trains 2 AdamW steps on batches of 8 (4 micro-batches of 2) with GPipe, 1F1B
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from distlab.distributed import DistContext
-from distlab.gpt import torch_pipelining
-from distlab.gpt.model import GPTConfig, GPTModel
+from distlab.gpt.native import torch_pipelining
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(240)

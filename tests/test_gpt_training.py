@@ -14,8 +14,8 @@ import torch
 
 from distlab import REPO_ROOT
 from distlab.distributed import free_port
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
-from distlab.gpt.log import ITERATION_RE
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.training.log import ITERATION_RE
 
 pytestmark = pytest.mark.timeout(180)
 TINY = [

@@ -3,6 +3,10 @@
 Every import statement counts, at module level or inside a function (a cycle through a lazy
 import is still a cycle of responsibilities), except those under ``if TYPE_CHECKING:``, which
 never run.
+
+The GPT engine (``distlab.gpt``) is also held to its layout: root modules and subpackages in
+layers (:data:`LAYERS`), each importing only its own layer and those below it; at most 6 modules
+at its root, at least 5 subpackages, no module over 450 lines.
 """
 
 from __future__ import annotations
@@ -89,7 +93,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_distlab_has_no_import_cycle() -> None:
     graph = import_graph()
-    assert "distlab.gpt.training" in graph and graph["distlab.gpt.training"]  # the walk sees imports
+    assert (
+        "distlab.gpt.training.training" in graph and graph["distlab.gpt.training.training"]
+    )  # the walk sees imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -98,3 +104,111 @@ def test_the_cycle_finder_names_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# --- the GPT engine's layers --------------------------------------------------------------------
+
+GPT = PACKAGE / "gpt"
+#: distlab.gpt's root modules and subpackages from the bottom up: each may import only its own
+#: layer and those before it (the training loop down to the layers, never back up). Mirrors the
+#: reading order of distlab/gpt/__init__.py's docstring; a new subpackage takes its place here.
+LAYERS = (
+    "layout",
+    "interfaces",
+    "parallel_state",
+    "data",
+    "tensor_parallel",
+    "context_parallel",
+    "moe",
+    "transformer",
+    "pipeline_parallel",
+    "deepspeed",
+    "arguments",
+    "optimizer",
+    "distributed",
+    "checkpointing",
+    "training",
+    "native",
+    "memory",
+    "build",
+    "pretrain",
+    "tools",
+)
+MAX_ROOT_MODULES = 6  # __init__.py included
+MIN_SUBPACKAGES = 5
+MAX_LINES = 450
+
+
+def layer_of(module: str) -> str | None:
+    """``distlab.gpt.training.log`` -> ``training``; None outside distlab.gpt or for the package itself."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["distlab", "gpt"] and len(parts) > 2 else None
+
+
+def upward_imports(graph: dict[str, set[str]], layers: tuple[str, ...]) -> list[str]:
+    """Every import of a module from a later layer than the importer's, as ``a -> b``."""
+    rank = {name: i for i, name in enumerate(layers)}
+    bad = []
+    for module, imported in sorted(graph.items()):
+        here = layer_of(module)
+        for other in sorted(imported):
+            there = layer_of(other)
+            if here is not None and there is not None and rank[there] > rank[here]:
+                bad.append(f"{module} ({here}) -> {other} ({there})")
+    return bad
+
+
+def test_every_gpt_module_has_a_layer() -> None:
+    found = {layer_of(module_name(p)) for p in GPT.rglob("*.py")} - {None}
+    assert found == set(LAYERS), (
+        f"not in LAYERS: {sorted(found - set(LAYERS))}; gone: {sorted(set(LAYERS) - found)}"
+    )
+
+
+def test_gpt_imports_run_down_the_layers() -> None:
+    graph = import_graph()
+    assert "distlab.gpt.build" in graph["distlab.gpt.pretrain"]  # the walk sees the engine's imports
+    bad = upward_imports(graph, LAYERS)
+    assert not bad, "a lower layer imports a higher one (see LAYERS):\n" + "\n".join(bad)
+
+
+def test_the_layer_check_names_an_upward_import() -> None:
+    graph = {
+        "distlab.gpt.model.x": {"distlab.gpt.training.y"},
+        "distlab.gpt.training.y": {"distlab.gpt.model.x"},
+    }
+    assert upward_imports(graph, ("model", "training")) == [
+        "distlab.gpt.model.x (model) -> distlab.gpt.training.y (training)"
+    ]
+
+
+def test_gpt_is_laid_out_in_subpackages() -> None:
+    root = sorted(p.name for p in GPT.glob("*.py"))
+    subpackages = sorted(p.parent.name for p in GPT.glob("*/__init__.py"))
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at distlab/gpt/'s root: {root}"
+    assert len(subpackages) >= MIN_SUBPACKAGES, subpackages
+    assert not [
+        p
+        for p in GPT.glob("*/*")
+        if p.is_dir() and p.name != "__pycache__" and not (p / "__init__.py").exists()
+    ]
+
+
+def test_no_gpt_module_is_over_the_line_limit() -> None:
+    long = {
+        str(p.relative_to(GPT)): n
+        for p in GPT.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+def test_the_package_docstring_maps_the_layers_in_order() -> None:
+    import distlab.gpt
+
+    doc = distlab.gpt.__doc__
+    entries = [
+        line.split()[0] for line in doc.splitlines() if line.startswith("    ") and line[4:5].isalpha()
+    ]
+    mapped = [e.removesuffix(".py").removesuffix("/") for e in entries if e.endswith((".py", "/"))]
+    assert mapped == list(LAYERS), f"distlab/gpt/__init__.py's map {mapped} is not LAYERS {list(LAYERS)}"

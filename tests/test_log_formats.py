@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from distlab.gpt.log import iteration_line, validation_lines
-from distlab.gpt.memory import format_memory
-from distlab.gpt.memory_estimate import format_prediction
+from distlab.gpt.memory.memory_estimate import format_prediction
+from distlab.gpt.memory.meters import format_memory
+from distlab.gpt.training.log import iteration_line, validation_lines
 from distlab.logs.formats import (
     BANNER,
     BATCH,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from distlab.checks import ExerciseError
-from distlab.gpt.log import iteration_line
-from distlab.gpt.memory import format_memory
+from distlab.gpt.memory.meters import format_memory
+from distlab.gpt.training.log import iteration_line
 from distlab.logs import megatron
 from distlab.logs.exercise import check_layout_run
 from distlab.logs.placement import placement_rows

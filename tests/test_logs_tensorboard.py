@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distlab.gpt.arguments import parse_args
-from distlab.gpt.log import TensorBoardLog
+from distlab.gpt.training.log import TensorBoardLog
 from distlab.logs.tensorboard import plot_runs, read_scalars
 
 

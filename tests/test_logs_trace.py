@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.distributed import DistContext
-from distlab.gpt.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from distlab.gpt.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from distlab.logs.trace import (
     ALLGATHER,
     ALLREDUCE,

@@ -17,7 +17,7 @@ import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
 from distlab import REPO_ROOT
-from distlab.gpt.loss_scaler import DynamicLossScaler
+from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 
 
 def check_cell() -> str:

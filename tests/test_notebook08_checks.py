@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from distlab import REPO_ROOT
-from distlab.gpt.log import iteration_line
+from distlab.gpt.training.log import iteration_line
 from distlab.logs import megatron, placement
 from distlab.logs.formats import COMPILE, SAVED
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.local_run import prepare_data, spawn_pretrain
-from distlab.gpt.log import StepProfiler
+from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.training.log import StepProfiler
 from distlab.profiling.plots import plot_breakdown, plot_memory, plot_top_operators
 from distlab.profiling.traces import GROUPS, find_traces, load_run
 from tests.test_gpt_training import TINY
@@ -149,7 +149,7 @@ def test_only_the_unfused_backend_has_attention_scores_in_a_trace(tmp_path, back
     (b, a, s, s) tensor; with --attention-backend unfused the softmax does."""
     import json
 
-    from distlab.gpt.model import GPTConfig, GPTModel
+    from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
     b, a, s = 2, 4, 32
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=a, vocab_size=128,

@@ -8,36 +8,61 @@ Notation, the same in every module's docstrings and shape comments::
     T    sequence length (--seq-length)             H    hidden size (--hidden-size)
     F    MLP width, 4H by default                   n    attention heads, of size H / n
     V    vocabulary, padded to a multiple of --make-vocab-size-divisible-by x tp    L  layers
-    tp, pp, dp     tensor-, pipeline-, data-parallel sizes; world size = tp x pp x dp
+    tp, pp, dp, cp tensor-, pipeline-, data-, context-parallel sizes: world = dp x tp x pp x cp
+    ep             expert-parallel size, folded into dp x cp (it splits those ranks; no factor of its own)
+    v              model chunks per pipeline rank (virtual stages, interleaved 1F1B)
     p, r           size of a process group and this rank's index in it
     F_i, B_i       in pipeline schedules: forward and backward of micro-batch i
 
 A tensor entering the model is (b, T), a hidden state (b, T, H), a logit slice (b, T, V / tp).
 
-Reading order, one idea per file:
+The map, in reading order: one concern per subpackage; after ``~`` what it mirrors in Megatron
+Core (``megatron/core/``; ``training/`` is ``megatron/training/``). Imports run down this list,
+never up (``tests/test_imports.py`` checks it)::
 
-    layout              the run's tp x dp x pp layout (Megatron's rank order) and batch arithmetic,
-                        validated once; where a new dimension is added
-    parallel_state      this rank's coordinates in the layout and its process groups
-    tp_communications   the f and g operators: identity one way, all-reduce the other
-    tensor_parallel     column / row-parallel linear, vocabulary-parallel embedding and loss
-    recompute           attention backends and recomputation flags: what a block keeps
-    model               the GPT block by block: where f and g sit; one stage of the pipeline
-    pp_communications   named sends and receives between stages, each one batched p2p call
-    pipeline_parallel   GPipe and 1F1B: the order of forwards and backwards, the bubble
-    gradients           after the backward: tied embedding, dp all-reduce, norm, clipping
-    interfaces          what a step shares: micro-batches, the backward hook, the back end
-    training            micro-batches of a global batch, the one step loop, evaluation
-    build               everything a run holds, built once from the arguments and the layout
-    pretrain            the training loop of pretrain_gpt.py
+    layout.py          the dp x tp x pp x cp layout: rank order, batch arithmetic, and the rules of a
+                       layout against a model, each written once
+                       ~ parallel_state.py's RankGenerator, num_microbatches_calculator.py
+                         (torchtitan's ParallelDims)
+    interfaces.py      what a step shares: micro-batches, the backward hook, the back end
+    parallel_state.py  this rank's coordinates in the layout and its process groups
+                       ~ parallel_state.py
+    data/              tokenizer, indexed_dataset, gpt_dataset ~ tokenizers/, datasets/
+    tensor_parallel/   mappings (the f and g operators), layers (column / row-parallel linear,
+                       vocabulary-parallel embedding and loss), rng_tracker (two random streams)
+                       ~ tensor_parallel/ mappings, layers, cross_entropy, random
+    context_parallel/  ring_attention: the sequence over cp ranks
+                       ~ Transformer Engine's context-parallel attention (cp_comm_type p2p)
+    moe/               moe_layer (router, experts, aux loss), expert_parallel (tokens by all-to-all)
+                       ~ transformer/moe/ router, experts, moe_layer, token_dispatcher
+    transformer/       recompute (attention backends, what a block keeps), model (the GPT block by
+                       block; one pipeline stage) ~ transformer/, models/gpt/gpt_model.py
+    pipeline_parallel/ p2p_communication, schedules (GPipe, 1F1B), interleaved (1F1B over v chunks),
+                       timeline and plot (recorded F/B spans) ~ pipeline_parallel/
+    deepspeed/         config (DeepSpeed's JSON, checked), engine (ZeRO as a back end)
+                       ~ Megatron-DeepSpeed
+    arguments/         groups (the flags, one dataclass per Megatron group), parser, validation
+                       (validate_args -> the Layout), backends ~ training/arguments.py
+    optimizer/         optimizer (AdamW, LR schedule), loss_scaler (fp16), precision
+                       ~ optimizer/, optimizer_param_scheduler.py
+    distributed/       grad_buckets (dp reduction overlapped with backward), gradients (tied
+                       embedding, dp all-reduce, norm, clipping)
+                       ~ distributed/ param_and_grad_buffer, finalize_model_grads; optimizer/clip_grads
+    checkpointing/     checkpointing (Megatron's legacy format), dist_checkpointing (DCP: torch_dist),
+                       checkpointer (the run's saves, --async-save)
+                       ~ training/checkpointing.py, dist_checkpointing/
+    training/          training (micro-batches, the step, evaluation), log (the log line, TensorBoard,
+                       the profiler), flops (MFU), fault_handling (signals, hangs)
+                       ~ training/training.py, training/dist_signal_handler.py
+    native/            PyTorch's own: dtensor_parallel, fsdp2, torch_pipelining, torch_compile,
+                       plan_check ~ distributed/torch_fully_sharded_data_parallel.py (torchtitan)
+    memory/            setup and memory_estimate (predicted), meters (measured), activation_memory
+                       and cp_measure (one against the other) ~ training/theoretical_memory_usage.py
+    build.py           everything a run holds, built once from the arguments and the layout
+                       ~ training/training.py's setup_model_and_optimizer
+    pretrain.py        the training loop of pretrain_gpt.py ~ training/training.py's pretrain
+    tools/             local_run (spawned runs for tests and notebooks), diagrams (images/gpt/)
+                       ~ Megatron-LM's tools/
 
-Beside them: arguments (Megatron's command line), tokenizer, indexed_dataset and gpt_dataset
-(data), optimizer (AdamW, LR schedule), precision (fp32/fp16/bf16, decided once) and loss_scaler
-(fp16), checkpointing (Megatron's legacy layout) and dist_checkpointing (--ckpt-format
-torch_dist: DCP, sharded, --async-save), log and flops (Megatron's log line, TensorBoard, the
-profiler; MFU; every printed line defined in ``distlab.logs.formats``), memory (measured) and
-memory_estimate (predicted), deepspeed_config (DeepSpeed's JSON, checked) and deepspeed_engine
-(its back end), fsdp2 (PyTorch's fully_shard as a back end: --use-torch-fsdp2),
-pipeline_timeline and pipeline_plot (recorded F/B spans and their Gantt chart), local_run
-(spawned runs for tests and notebooks).
+Every printed line is defined in ``distlab.logs.formats``.
 """

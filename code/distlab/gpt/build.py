@@ -32,29 +32,33 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, network_settings, print_on
-from distlab.gpt import checkpointer, checkpointing, deepspeed_config, deepspeed_engine, log, torch_compile
 from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
-from distlab.gpt.context_parallel import describe as describe_cp
-from distlab.gpt.context_parallel import ring_of
-from distlab.gpt.flops import flops_line
-from distlab.gpt.gpt_dataset import GPTDataset, build_datasets
+from distlab.gpt.checkpointing import checkpointer, checkpointing
+from distlab.gpt.context_parallel.ring_attention import describe as describe_cp
+from distlab.gpt.context_parallel.ring_attention import ring_of
+from distlab.gpt.data.gpt_dataset import GPTDataset, build_datasets
+from distlab.gpt.data.tokenizer import GPT2BPETokenizer
+from distlab.gpt.deepspeed import config as deepspeed_config
+from distlab.gpt.deepspeed import engine as deepspeed_engine
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
 from distlab.gpt.layout import Layout
-from distlab.gpt.loss_scaler import DynamicLossScaler
-from distlab.gpt.memory import PeakMeter, cap_device_memory
-from distlab.gpt.model import GPTConfig, GPTModel
-from distlab.gpt.moe import MoEConfig
-from distlab.gpt.optimizer import LRSchedule, build_optimizer
+from distlab.gpt.memory.meters import PeakMeter, cap_device_memory
+from distlab.gpt.moe.moe_layer import MoEConfig
+from distlab.gpt.native import torch_compile
+from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
+from distlab.gpt.optimizer.optimizer import LRSchedule, build_optimizer
+from distlab.gpt.optimizer.precision import Precision
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.pipeline_parallel import PipelineForwardBackward, describe
-from distlab.gpt.pipeline_timeline import PipelineTimeline
-from distlab.gpt.pp_communications import P2PSpec
-from distlab.gpt.precision import Precision
-from distlab.gpt.recompute import granularity_of
-from distlab.gpt.rng_tracker import model_parallel_manual_seed
-from distlab.gpt.tensor_parallel import pad_vocab_size, vocab_padding_message
-from distlab.gpt.tokenizer import GPT2BPETokenizer
-from distlab.gpt.training import LocalBackend, forward_backward, micro_batches, train_step
+from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
+from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward, describe
+from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
+from distlab.gpt.tensor_parallel.layers import pad_vocab_size, vocab_padding_message
+from distlab.gpt.tensor_parallel.rng_tracker import model_parallel_manual_seed
+from distlab.gpt.training import log
+from distlab.gpt.training.flops import flops_line
+from distlab.gpt.training.training import LocalBackend, forward_backward, micro_batches, train_step
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.recompute import granularity_of
 from distlab.logs.formats import BATCH, PARAMETERS
 
 
@@ -124,9 +128,10 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     """Groups, data, model, optimizer and schedule, printing Megatron's start-up lines."""
     state = ParallelState.build(layout, timeout_s=60 * args.distributed_timeout_minutes)
     precision = Precision.from_args(args)
-    # torch.distributed.fsdp only for runs that use it: imported, it changes DeepSpeed (checkpointer.py)
+    # torch.distributed.fsdp only for runs that use it: imported, it changes DeepSpeed
+    # (checkpointing/checkpointer.py)
     mesh_run = args.use_torch_fsdp2 or (args.tensor_parallel_impl == "dtensor" and layout.tp > 1)
-    fsdp2 = importlib.import_module("distlab.gpt.fsdp2") if mesh_run else None
+    fsdp2 = importlib.import_module("distlab.gpt.native.fsdp2") if mesh_run else None
     rank0, device = state.rank == 0, ctx.device
     threads = cap_cpu_threads(ctx.env.local_world_size) if device.type == "cpu" else f"device: {device}"
     print_on(
@@ -234,7 +239,7 @@ def parallelize_model(
     if dtensor or args.use_torch_fsdp2:
         # imported only by runs that use it: torch.distributed.tensor.parallel imports FSDP, whose
         # import before a DeepSpeed ZeRO-2 run leaves a gloo group's threads alive (main's c1bfd2c)
-        from distlab.gpt import dtensor_parallel
+        from distlab.gpt.native import dtensor_parallel
 
         mesh = dtensor_parallel.device_mesh(layout, device)
         print_on(state.rank == 0, dtensor_parallel.describe_mesh(mesh))
@@ -251,7 +256,7 @@ def parallelize_model(
     if args.torch_compile:  # after TP's plan, before fully_shard (torchtitan's order)
         print_on(state.rank == 0, torch_compile.compile_blocks(model.layers))
     if args.use_torch_fsdp2:
-        from distlab.gpt import fsdp2
+        from distlab.gpt.native import fsdp2
 
         config = fsdp2.FSDP2Config.from_args(args)
         fsdp2.shard_model(model, mesh["dp"], config, device)
@@ -304,7 +309,7 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
 
 def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
     """This rank's stage and tensor-parallel shard of the GPT (whole with DTensor TP: split later)."""
-    # dropout; the weights come from init_parameters. Megatron's two streams (rng_tracker.py):
+    # dropout; the weights come from init_parameters. Megatron's two streams (tensor_parallel/rng_tracker.py):
     # the default one alike on the tp ranks, the model-parallel one (+ 2718 + tp_rank) for what
     # each tp rank holds alone (its heads; with SP its positions)
     model_parallel_manual_seed(args.seed + 100 * state.pp_rank, state.tp_rank)

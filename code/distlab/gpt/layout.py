@@ -69,6 +69,66 @@ SIZE_NAMES = {
 EXPERT_DATA_DIMS = tuple(d for d in ORDER if d in ("cp", "dp"))
 
 
+# --- the rules of a layout against a model: each written once, here, with its one message. ---
+# Layout.validate_model (validate_args), the model and the memory estimate all check these.
+
+
+def sequence_parallel_error(sequence_parallel: bool, tp: int) -> str | None:
+    """Sequence parallelism splits the sequence over the tp ranks: it needs tp > 1."""
+    if sequence_parallel and tp == 1:
+        return (
+            "--sequence-parallel needs --tensor-model-parallel-size > 1, got 1: sequence parallelism "
+            "splits the sequence over the tensor-parallel ranks; drop the flag or raise the size"
+        )
+    return None
+
+
+def context_chunks_error(seq_length: int, cp: int) -> str | None:
+    """Context parallelism cuts the sequence into 2 cp equal chunks, two per cp rank (the
+    load-balanced causal split of ``context_parallel/ring_attention.py``)."""
+    if cp > 1 and seq_length % (2 * cp):
+        return (
+            f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {cp} "
+            f"= {2 * cp} (each cp rank holds two of the 2 cp equal chunks)"
+        )
+    return None
+
+
+def context_dropout_error(cp: int, attention_dropout: float) -> str | None:
+    """Ring attention (cp > 1) has no attention dropout."""
+    if cp > 1 and attention_dropout > 0:
+        return (
+            f"--context-parallel-size {cp} with --attention-dropout {attention_dropout}: ring attention "
+            f"has no dropout; set it to 0"
+        )
+    return None
+
+
+def layers_error(num_layers: int, pp: int, vp: int = 1) -> str | None:
+    """The layers split evenly over the pp stages and, interleaved, over their v chunks each."""
+    if num_layers % (pp * vp):
+        chunks = f" x {vp} virtual stages per rank = {pp * vp}" if vp > 1 else ""
+        return f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}{chunks}"
+    return None
+
+
+def heads_error(hidden_size: int, num_attention_heads: int) -> str | None:
+    """Every head has H / n dimensions."""
+    if hidden_size % num_attention_heads:
+        return (
+            f"--hidden-size {hidden_size} is not divisible by --num-attention-heads "
+            f"{num_attention_heads}: head size must be an integer"
+        )
+    return None
+
+
+def raise_errors(*errors: str | None) -> None:
+    """Raise one ``ValueError`` naming every error given (None: no error)."""
+    found = [e for e in errors if e]
+    if found:
+        raise ValueError("; ".join(found))
+
+
 @dataclass(frozen=True)
 class Layout:
     """World size factored over :data:`ORDER`, and the global batch at every point of the run."""
@@ -102,11 +162,7 @@ class Layout:
                 f"launch a multiple of {model_parallel} processes or change the sizes"
             )
         self._check_experts()
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError(
-                "--sequence-parallel needs --tensor-model-parallel-size > 1, got 1: sequence parallelism "
-                "splits the sequence over the tensor-parallel ranks; drop the flag or raise the size"
-            )
+        raise_errors(sequence_parallel_error(self.sequence_parallel, self.tp))
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.dp)
         self._check_batch()
@@ -182,14 +238,11 @@ class Layout:
         self, *, num_layers: int, num_attention_heads: int, hidden_size: int, seq_length: int | None = None
     ) -> None:
         """Heads and hidden size must split over ``tp``, layers over ``pp``, the sequence into
-        ``2 cp`` chunks (the load-balanced causal split of ``context_parallel.py``) and, with
+        ``2 cp`` chunks (the load-balanced causal split of ``context_parallel/ring_attention.py``) and, with
         sequence parallelism, over ``tp``."""
         errors = []
-        if seq_length is not None and self.cp > 1 and seq_length % (2 * self.cp):
-            errors.append(
-                f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {self.cp} "
-                f"= {2 * self.cp} (each cp rank holds two of the 2 cp equal chunks)"
-            )
+        if seq_length is not None and (error := context_chunks_error(seq_length, self.cp)):
+            errors.append(error)
         if self.sequence_parallel and seq_length is not None and seq_length % self.tp:
             errors.append(
                 f"--seq-length {seq_length} is not divisible by --tensor-model-parallel-size {self.tp}, "
@@ -204,11 +257,8 @@ class Layout:
             errors.append(
                 f"--hidden-size {hidden_size} is not divisible by --tensor-model-parallel-size {self.tp}"
             )
-        if num_layers % (self.pp * self.vp):
-            chunks = f" x {self.vp} virtual stages per rank = {self.pp * self.vp}" if self.vp > 1 else ""
-            errors.append(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {self.pp}{chunks}"
-            )
+        if error := layers_error(num_layers, self.pp, self.vp):
+            errors.append(error)
         if errors:
             raise ValueError(
                 "; ".join(errors) + ": change the model size, the sequence or the parallel layout"

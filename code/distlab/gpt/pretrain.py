@@ -22,17 +22,19 @@ import torch
 import torch.distributed as dist
 
 from distlab.distributed import discover, init_distributed, print_on, shutdown
-from distlab.gpt import log, torch_compile
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
-from distlab.gpt.fault_handling import ExitSignal, is_timeout, missing_ranks
-from distlab.gpt.gpt_dataset import GPTDataset
+from distlab.gpt.checkpointing.checkpointing import Snapshot
+from distlab.gpt.data.gpt_dataset import GPTDataset
 from distlab.gpt.interfaces import StepResult
-from distlab.gpt.memory import memory_report, out_of_memory_message
-from distlab.gpt.memory_estimate import MemorySetup, estimate, format_prediction
-from distlab.gpt.moe import take_stats
-from distlab.gpt.pipeline_timeline import bubble_summary, save_timeline
-from distlab.gpt.training import evaluate
+from distlab.gpt.memory.memory_estimate import MemorySetup, estimate, format_prediction
+from distlab.gpt.memory.meters import memory_report, out_of_memory_message
+from distlab.gpt.moe.moe_layer import take_stats
+from distlab.gpt.native import torch_compile
+from distlab.gpt.pipeline_parallel.timeline import bubble_summary, save_timeline
+from distlab.gpt.training import log
+from distlab.gpt.training.fault_handling import ExitSignal, is_timeout, missing_ranks
+from distlab.gpt.training.training import evaluate
 from distlab.logs.formats import EXIT_SIGNAL, HANG, MOE
 
 
@@ -203,7 +205,9 @@ def maybe_save(run: Run) -> None:
 def save(run: Run) -> None:
     """Checkpoint the model, optimizer, scaler and RNG at this iteration (atomically)."""
     scaler_state = run.scaler.state_dict() if run.scaler else None
-    lines = run.checkpointer.save(run.model, run.optimizer, scaler_state, run.iteration, run.consumed)
+    lines = run.checkpointer.save(
+        Snapshot(run.model, run.optimizer, scaler_state, run.iteration, run.consumed)
+    )
     run.saved_at = run.iteration
     # formats.SAVED, with blocking and total time (none while --async-save writes)
     print_on(run.rank0, *lines)

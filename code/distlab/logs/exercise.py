@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlab.checks import FIXME, check
-from distlab.gpt.pipeline_timeline import load_timeline, theoretical_bubble
+from distlab.gpt.pipeline_parallel.timeline import load_timeline, theoretical_bubble
 from distlab.logs.formats import CONTEXT_PARALLEL, ITERATION
 from distlab.logs.megatron import banner_line, batch_arithmetic, layout_and_completion, parse_banner
 from distlab.logs.memory import prediction
@@ -130,8 +130,8 @@ def long_sequence_predictions(
     import shlex
 
     from distlab.gpt.arguments import build_layout, parse_args
-    from distlab.gpt.memory_estimate import MemorySetup, estimate
-    from distlab.gpt.tensor_parallel import pad_vocab_size
+    from distlab.gpt.memory.memory_estimate import MemorySetup, estimate
+    from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 
     out = {}
     sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]

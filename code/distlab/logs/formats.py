@@ -175,7 +175,7 @@ def tokens_per_expert(text: str) -> list[dict]:
     return [{**f, "counts": [int(c) for c in f["counts"].split()]} for f in MOE.parse(text)]
 
 
-# --- checkpoints and faults (distlab.gpt.checkpointer, distlab.gpt.fault_handling) ---
+# --- checkpoints and faults (distlab.gpt.checkpointing.checkpointer, distlab.gpt.training.fault_handling) ---
 #: The save line of either format; ``blocking_ms == total_ms`` unless ``mode`` is "async".
 SAVED = LogLine(
     "  successfully saved checkpoint at iteration {iteration:7d} to {folder} in {format} format",

@@ -10,7 +10,7 @@ turns on the cores), but the order in which each stage runs them is the schedule
 
 from __future__ import annotations
 
-from distlab.gpt.pipeline_timeline import event_label
+from distlab.gpt.pipeline_parallel.timeline import event_label
 
 
 def _stage_events(timeline: dict, stage: int) -> list[dict]:

@@ -4,7 +4,7 @@ check.
 
 One job's log holds every attempt of its run: torchrun's restarts (``--max-restarts``) and a
 requeued job's allocations (``--open-mode=append``) each start with Megatron's banner. What each
-attempt says about where it started (``distlab.gpt.checkpointing.resume_line``)::
+attempt says about where it started (``distlab.gpt.checkpointing.checkpointing.resume_line``)::
 
     > no checkpoint in D: starting from scratch                                  first attempt
     > loaded checkpoint from D at iteration 68                                   a new job or allocation

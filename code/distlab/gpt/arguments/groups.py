@@ -1,0 +1,344 @@
+"""The flags of ``pretrain_gpt.py``, grouped as Megatron-LM's ``arguments.py`` adds them.
+
+Every field is a flag: ``num_layers`` is ``--num-layers``. Booleans are Megatron's switches
+(``--fp16``), except the few the course passes as ``True|False`` (``--profile-execution True``,
+``tf=True``); ``flag=`` spells a flag Megatron-DeepSpeed's way. Each group is the dataclass of one
+of Megatron's ``_add_*_args`` functions, and :class:`PretrainArgs` is all of them: the single
+source of names, types, defaults and help, from which ``parser.py`` builds argparse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: The signals ``--exit-signal`` accepts (Megatron-LM's SIGNAL_MAP; ``training/fault_handling.py``
+#: catches them).
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
+def _f(default, help: str, **kw):  # noqa: A002 - argparse's own word
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class NetworkSizeArgs:
+    """The model's shape (Megatron's ``_add_network_size_args``)."""
+
+    num_layers: int = _f(None, "transformer blocks (required)")
+    hidden_size: int = _f(None, "model width H (required)")
+    ffn_hidden_size: int = _f(None, "MLP width F (default 4H)")
+    num_attention_heads: int = _f(None, "attention heads; H must be divisible by it (required)")
+    max_position_embeddings: int = _f(None, "learned positions; >= --seq-length (default: seq length)")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this x tp")
+
+
+@dataclass
+class RegularizationArgs:
+    """Dropout, weight decay, clipping, the optimizer's constants (Megatron's
+    ``_add_regularization_args``)."""
+
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    hidden_dropout: float = _f(0.0, "dropout after attention and MLP (Megatron's default is 0.1)")
+    weight_decay: float = _f(0.01, "decoupled weight decay (not on biases and LayerNorm)")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0: off)")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.999, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    sgd_momentum: float = _f(0.9, "SGD momentum")
+
+
+@dataclass
+class TrainingArgs:
+    """Batches, recomputation, the optimizer, when to stop, the profiler, torch.compile (Megatron's
+    ``_add_training_args``)."""
+
+    micro_batch_size: int = _f(None, "samples per forward/backward on one rank (required)")
+    global_batch_size: int = _f(None, "samples per optimizer step over all ranks (default micro x dp)")
+    rampup_batch_size: list = _f(
+        None,
+        "START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT in equal "
+        "intervals until SAMPLES samples are consumed, then stays at --global-batch-size "
+        "(Megatron's ramp, deprecated there for --step-batch-size-schedule)",
+        nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        type=int,
+    )
+    step_batch_size_schedule: str = _f(
+        None,
+        'global batch per threshold of consumed tokens, e.g. "0:16 2.4B:320 4.8B:624" (K, M, B, T '
+        "suffixes); its last batch is the global batch size",
+    )
+    recompute_activations: bool = _f(
+        False, "selective recomputation: the same as --recompute-granularity selective (as Megatron sets it)"
+    )
+    recompute_granularity: str = _f(
+        None,
+        "full: checkpoint whole blocks, keeping only their inputs (needs --recompute-method and "
+        "--recompute-num-layers); selective: checkpoint the core attention softmax(QK^T/sqrt(d))V of "
+        "every block, whose T x T scores are the 5as/h term of the activations",
+        choices=["full", "selective"],
+    )
+    recompute_method: str = _f(
+        None,
+        "with --recompute-granularity full: uniform, groups of --recompute-num-layers consecutive blocks "
+        "each keeping its input; block, only the first --recompute-num-layers blocks of each stage",
+        choices=["uniform", "block"],
+    )
+    recompute_num_layers: int = _f(
+        None,
+        "with --recompute-granularity full: blocks per group (uniform) or per stage (block), 1 to L / pp "
+        "(per model chunk with interleaving: 1 to L / (pp v))",
+    )
+    attention_backend: str = _f(
+        "auto",
+        "core attention: auto, flash and fused run PyTorch's scaled_dot_product_attention (its fused "
+        "kernel keeps no T x T scores); unfused and local the explicit softmax(QK^T/sqrt(d))V, which stores them",
+        choices=["flash", "fused", "unfused", "local", "auto"],
+    )
+    train_iters: int = _f(None, "optimizer steps to train for (required)")
+    exit_duration_in_mins: float = _f(None, "save and stop after this many minutes")
+    exit_signal_handler: bool = _f(
+        False,
+        "on --exit-signal, every rank finishes its iteration, agrees (MAX all-reduce), saves a checkpoint "
+        "(with --save) and exits 0",
+    )
+    exit_signal: str = _f(
+        "SIGTERM",
+        "the signal --exit-signal-handler catches: SIGTERM is what Slurm sends at the time limit (then "
+        "SIGKILL KillWait s later); #SBATCH --signal=USR1@N sends SIGUSR1 N s before it",
+        choices=list(SIGNALS),
+    )
+    optimizer: str = _f(
+        "adam", "adam (decoupled weight decay, as Megatron) or sgd", choices=["adam", "adamw", "sgd"]
+    )
+    device_memory_gib: float = _f(
+        None,
+        "cap each rank's CUDA memory at this many GiB (set_per_process_memory_fraction), so that "
+        "a sweep runs out of memory at the same micro batch on any card; on CPU the job's --mem is the cap",
+    )
+    torch_compile: bool = _f(
+        False,
+        "compile every transformer block with torch.compile (inductor; one graph for all blocks, "
+        "compiled in the first iteration; needs a C compiler on a CPU); prints the first iteration's "
+        "and the steady-state time at the end",
+    )
+    profile_execution: bool = _f(
+        False, "torch.profiler trace of --profile-step-start+1..end (True|False)", tf=True
+    )
+    profile_name: str = _f("profile", "run name of the trace under --tensorboard-dir")
+    profile_ranks: str = _f("0", "global ranks that write a trace, e.g. 0,2: one per pipeline stage")
+    profile_step_start: int = _f(1, "the profiler warms up on this iteration and traces the next ones")
+    profile_step_end: int = _f(3, "last traced iteration (traced: start+1 .. end)")
+
+
+@dataclass
+class InitializationArgs:
+    """The seed and the initialisation (Megatron's ``_add_initialization_args``)."""
+
+    seed: int = _f(1234, "seed of initialisation, data shuffling and dropout")
+    init_method_std: float = _f(0.02, "std of the normal initialisation; output layers use std/sqrt(2L)")
+
+
+@dataclass
+class LearningRateArgs:
+    """The learning-rate schedule (Megatron's ``_add_learning_rate_args``)."""
+
+    lr: float = _f(None, "peak learning rate (required)")
+    lr_decay_style: str = _f("linear", "decay shape", choices=["constant", "linear", "cosine"])
+    lr_decay_iters: int = _f(None, "iterations of decay (default --train-iters)")
+    lr_warmup_fraction: float = _f(None, "fraction of --lr-decay-iters spent in linear warm-up")
+    lr_warmup_iters: int = _f(0, "warm-up iterations (when no fraction is given)")
+    min_lr: float = _f(0.0, "learning rate at the end of the decay")
+
+
+@dataclass
+class CheckpointingArgs:
+    """Checkpoints (Megatron's ``_add_checkpointing_args``)."""
+
+    save: str = _f(None, "checkpoint directory to write")
+    save_interval: int = _f(None, "iterations between checkpoints (and one at the end)")
+    load: str = _f(None, "checkpoint directory to resume from")
+    ckpt_format: str = _f(
+        "torch",
+        "torch: one file per tensor/pipeline rank, written by data-parallel rank 0 (Megatron's legacy "
+        "format); torch_dist: torch.distributed.checkpoint, every rank writes its shards, loadable by "
+        "another number of data-parallel ranks, with or without FSDP2 (Megatron-LM's default)",
+        choices=["torch", "torch_dist"],
+    )
+    async_save: bool = _f(
+        False,
+        "with --ckpt-format torch_dist: copy the state to CPU memory, then write it in a thread while "
+        "training goes on (dcp.async_save); the next save and the end of training wait for it",
+    )
+
+
+@dataclass
+class MixedPrecisionArgs:
+    """fp16 or bf16, and the loss scale (Megatron's ``_add_mixed_precision_args``)."""
+
+    fp16: bool = _f(False, "float16 compute with dynamic loss scaling")
+    bf16: bool = _f(False, "bfloat16 compute")
+    initial_loss_scale: float = _f(2.0**32, "first loss scale with --fp16")
+    min_loss_scale: float = _f(1.0, "smallest loss scale")
+    loss_scale_window: int = _f(1000, "clean steps before the scale doubles")
+    hysteresis: int = _f(2, "overflows tolerated before the scale halves")
+
+
+@dataclass
+class DistributedArgs:
+    """The parallel sizes, the data-parallel gradients, DTensor and FSDP2 (Megatron's
+    ``_add_distributed_args``)."""
+
+    tensor_model_parallel_size: int = _f(1, "ranks sharing each layer (tensor parallelism)")
+    tensor_parallel_impl: str = _f(
+        "megatron",
+        "who splits the layers when tp > 1: this engine's Megatron-style layers (megatron) or PyTorch's "
+        "DTensor parallelize_module plans on a DeviceMesh (dtensor; combines with --use-torch-fsdp2)",
+        choices=["megatron", "dtensor"],
+    )
+    pipeline_model_parallel_size: int = _f(1, "pipeline stages")
+    pipeline_schedule: str = _f("1f1b", "pipeline schedule when pp > 1", choices=["1f1b", "gpipe"])
+    num_layers_per_virtual_pipeline_stage: int = _f(
+        None, "layers per model chunk: each pipeline rank holds v = L / (pp x this) chunks (interleaved 1F1B)"
+    )
+    virtual_pipeline_model_parallel_size: int = _f(
+        None,
+        "v, model chunks per pipeline rank (interleaved 1F1B); Megatron-LM now spells it "
+        "--num-virtual-stages-per-pipeline-rank, also accepted",
+    )
+    pipeline_timeline: str = _f(None, "pp > 1: write the last step's F/B times per stage as JSON")
+    context_parallel_size: int = _f(
+        1,
+        "ranks sharing each sequence (context parallelism: ring attention); --seq-length must divide by 2x it",
+    )
+    sequence_parallel: bool = _f(
+        False,
+        "with tensor parallelism: LayerNorms, dropout and residual adds work on seq-length / tp positions "
+        "per rank; the all-reduces become all-gathers and reduce-scatters (Korthikanti et al. 2022); by "
+        "this engine's layers or, with --tensor-parallel-impl dtensor, by DTensor's SequenceParallel plan",
+    )
+    overlap_grad_reduce: bool = _f(
+        False,
+        "start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as "
+        "its last gradient is accumulated; the step waits for all before the optimizer (pp 1 only here)",
+    )
+    ddp_bucket_size: int = _f(
+        None,
+        "elements per gradient bucket (buckets fill in the reverse of the parameters' order); default "
+        "Megatron's max(40000000, 1000000 x dp)",
+    )
+    distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
+    distributed_timeout_minutes: float = _f(5.0, "collectives fail after waiting this long")
+    local_rank: int = _f(None, "set by the legacy torch.distributed.launch; ignored (LOCAL_RANK wins)")
+    use_torch_fsdp2: bool = _f(
+        False,
+        "shard parameters, gradients and optimizer state over the data-parallel ranks with PyTorch's "
+        "fully_shard (FSDP2: ZeRO-3 with DTensor shards), each block then the root; data parallelism "
+        "only, fp32 or --bf16",
+    )
+    torch_fsdp2_reshard_after_forward: bool = _f(
+        True,
+        "FSDP2's reshard_after_forward: free each block's gathered parameters after its forward and "
+        "all-gather them again for its backward (True), or keep them until the backward (False: one "
+        "all-gather instead of two); Megatron's --torch-fsdp2-no-reshard-after-forward sets False",
+        tf=True,
+    )
+    torch_fsdp2_cpu_offload: bool = _f(
+        False,
+        "FSDP2's CPUOffloadPolicy: parameter shards, their gradients and the optimizer state on the CPU, "
+        "where the optimizer steps; each all-gather copies a block's shards to the device",
+    )
+
+
+@dataclass
+class ValidationArgs:
+    """Evaluation (Megatron's ``_add_validation_args``)."""
+
+    eval_iters: int = _f(100, "global batches per validation run")
+    eval_interval: int = _f(1000, "iterations between validation runs")
+
+
+@dataclass
+class DataArgs:
+    """The dataset and the tokenizer (Megatron's ``_add_data_args``)."""
+
+    data_path: str = _f(None, "prefix of the .bin/.idx dataset, e.g. data/gpt/corpus_text_document")
+    data_impl: str = _f("mmap", "indexed dataset implementation (only mmap)", choices=["mmap"])
+    split: str = _f("969,30,1", "train,validation,test proportions of the documents")
+    seq_length: int = _f(None, "tokens per sample fed to the model (required)")
+    vocab_file: str = _f(None, "GPT-2-style vocab.json")
+    merge_file: str = _f(None, "GPT-2-style merges.txt")
+    tokenizer_type: str = _f("GPT2BPETokenizer", "tokenizer kind", choices=["GPT2BPETokenizer"])
+
+
+@dataclass
+class LoggingArgs:
+    """The log line and TensorBoard (Megatron's ``_add_logging_args``)."""
+
+    log_interval: int = _f(100, "iterations between log lines")
+    tensorboard_dir: str = _f(None, "write TensorBoard scalars here")
+    tensorboard_queue_size: int = _f(1000, "events buffered before TensorBoard flushes")
+    log_timers_to_tensorboard: bool = _f(False, "also write timers")
+    log_batch_size_to_tensorboard: bool = _f(False, "also write the batch size")
+    log_validation_ppl_to_tensorboard: bool = _f(False, "also write validation perplexity")
+
+
+@dataclass
+class MoEArgs:
+    """Mixture of experts (Megatron's ``_add_moe_args``)."""
+
+    num_experts: int = _f(
+        None, "experts E per MoE layer: every block's MLP becomes a router and E experts (None: dense)"
+    )
+    expert_model_parallel_size: int = _f(
+        1,
+        "ep: the data-parallel ranks over which each layer's experts are split (E / ep per rank); divides dp",
+    )
+    moe_router_topk: int = _f(2, "k: experts per token (softmax over the k largest router logits)")
+    moe_aux_loss_coeff: float = _f(
+        0.0,
+        "weight of the Switch/GShard load-balancing loss E sum_i f_i P_i added to the lm loss (1e-2 is a start)",
+    )
+    moe_expert_capacity_factor: float = _f(
+        None,
+        "c: each expert keeps at most ceil(k N / E x c) of a micro-batch's N tokens (those of highest router "
+        "probability) and drops the rest; None (or negative): dropless",
+    )
+    moe_token_dispatcher_type: str = _f(
+        "allgather",
+        "how tokens reach experts on other ranks: alltoall (all_to_all_single of uneven splits, the one this "
+        "engine implements; needed when --expert-model-parallel-size > 1); allgather is Megatron's default",
+        choices=["allgather", "alltoall"],
+    )
+
+
+@dataclass
+class DeepSpeedArgs:
+    """DeepSpeed ZeRO (Megatron-DeepSpeed's ``deepspeed.add_config_arguments``)."""
+
+    deepspeed: bool = _f(False, "train through DeepSpeed's engine (ZeRO); data parallelism only")
+    deepspeed_config: str = _f(
+        None, "DeepSpeed JSON config; its missing batch keys come from the run", flag="--deepspeed_config"
+    )
+    zero_stage: int = _f(None, "ZeRO stage 0-3, overriding the config's zero_optimization.stage")
+
+
+@dataclass
+class PretrainArgs(
+    DeepSpeedArgs,
+    MoEArgs,
+    LoggingArgs,
+    DataArgs,
+    ValidationArgs,
+    DistributedArgs,
+    MixedPrecisionArgs,
+    CheckpointingArgs,
+    LearningRateArgs,
+    InitializationArgs,
+    TrainingArgs,
+    RegularizationArgs,
+    NetworkSizeArgs,
+):
+    """Arguments of ``pretrain_gpt.py``; names and meanings follow Megatron-LM. One flat dataclass
+    of Megatron's groups: a dataclass takes its bases' fields in reverse order, so the flags are
+    listed network size first, as Megatron's ``parse_args`` adds its groups."""

@@ -1,0 +1,350 @@
+"""Megatron's ``validate_args``: every flag against the others and the world size, before any
+process group or tensor exists, each problem named with its values and its fix; the result is the
+run's one :class:`~distlab.gpt.layout.Layout` (parallel sizes and batch arithmetic), which every
+part of the run then reads."""
+
+from __future__ import annotations
+
+import os
+
+from distlab.distributed import pick_backend
+from distlab.gpt.arguments.backends import (
+    _ckpt_format_errors,
+    _deepspeed_errors,
+    _dtensor_errors,
+    _torch_compile_errors,
+    _torch_fsdp2_errors,
+)
+from distlab.gpt.arguments.groups import PretrainArgs
+from distlab.gpt.arguments.parser import parse_split, profile_ranks
+from distlab.gpt.layout import (
+    Layout,
+    context_dropout_error,
+    heads_error,
+    parse_step_schedule,
+    rampup_schedule,
+)
+from distlab.gpt.moe.moe_layer import config_errors, placement_errors
+from distlab.gpt.pipeline_parallel.schedules import check_schedule
+from distlab.gpt.transformer.recompute import granularity_of, recompute_errors
+
+
+def validate_args(args: PretrainArgs, world_size: int) -> Layout:
+    """Check arguments against each other and the world size; fill defaults; return the layout.
+
+    Raises ``ValueError`` listing every problem found, before any compute.
+    """
+    required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                "train_iters", "lr")  # fmt: skip
+    missing = [f"--{name.replace('_', '-')} is required" for name in required if getattr(args, name) is None]
+    if missing:
+        raise ValueError("; ".join(missing))
+    layout = build_layout(args, world_size)
+    layout.validate_model(
+        num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        hidden_size=args.hidden_size,
+        seq_length=args.seq_length,
+    )
+    args.global_batch_size = layout.global_batch_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    errors = [
+        *_model_and_optimizer_errors(args),
+        *_file_errors(args),
+        *_profile_errors(args, world_size),
+        *_deepspeed_errors(args, layout),
+        *_torch_fsdp2_errors(args, layout),
+        *_torch_compile_errors(args),
+        *_dtensor_errors(args, layout),
+        *_ckpt_format_errors(args, layout),
+        *_recompute_errors(args, layout),
+        *_moe_errors(args, layout),
+        *_context_parallel_errors(args, layout),
+        *_interleaving_errors(args, layout),
+        *_grad_reduce_errors(args, layout),
+    ]
+    if errors:
+        raise ValueError("invalid arguments: " + "; ".join(errors))
+    return layout
+
+
+def build_layout(args: PretrainArgs, world_size: int) -> Layout:
+    """The parallel sizes and the batch arithmetic (a ramp's steps included), checked."""
+    schedule: tuple = ()
+    if args.rampup_batch_size is not None and args.step_batch_size_schedule is not None:
+        raise ValueError("--rampup-batch-size and --step-batch-size-schedule were both given: choose one")
+    if args.step_batch_size_schedule is not None:
+        schedule = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+        final = schedule[-1][1]
+        if args.global_batch_size not in (None, final):
+            raise ValueError(
+                f"--global-batch-size {args.global_batch_size} differs from the last batch {final} of "
+                f'--step-batch-size-schedule "{args.step_batch_size_schedule}": drop one or make them agree'
+            )
+        args.global_batch_size = final
+    elif args.rampup_batch_size is not None:
+        if args.global_batch_size is None:
+            raise ValueError("--rampup-batch-size needs --global-batch-size: the size the ramp ends at")
+        schedule = rampup_schedule(*args.rampup_batch_size, args.global_batch_size)
+    if args.expert_model_parallel_size > 1 and args.num_experts is None:
+        raise ValueError(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size} needs --num-experts: "
+            f"expert parallelism splits the experts of a mixture-of-experts MLP"
+        )
+    args.virtual_pipeline_model_parallel_size = virtual_stages(args)
+    return Layout(
+        world_size,
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
+        cp=args.context_parallel_size,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        batch_schedule=schedule,
+        vp=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+    )
+
+
+def virtual_stages(args: PretrainArgs) -> int:
+    """v, model chunks per pipeline rank, from either of Megatron's two flags (1: no interleaving)."""
+    per_chunk, v = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
+    if per_chunk is not None and v is not None:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {per_chunk} and --virtual-pipeline-model-parallel-size "
+            f"{v} were both given: choose one"
+        )
+    if per_chunk is None:
+        return 1 if v is None else v
+    L, pp = args.num_layers, args.pipeline_model_parallel_size
+    if per_chunk < 1 or L % pp or (L // pp) % per_chunk:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {per_chunk} must divide the --num-layers {L} / "
+            f"--pipeline-model-parallel-size {pp} layers of a pipeline rank"
+        )
+    return L // pp // per_chunk
+
+
+def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
+    errors = []
+    if error := heads_error(args.hidden_size, args.num_attention_heads):
+        errors.append(error)
+    if args.seq_length > args.max_position_embeddings:
+        errors.append(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+            f"{args.max_position_embeddings}: raise the latter or shorten the sequence"
+        )
+    if args.pipeline_timeline and args.pipeline_model_parallel_size == 1:
+        errors.append(
+            f"--pipeline-timeline {args.pipeline_timeline} needs --pipeline-model-parallel-size > 1, "
+            f"got {args.pipeline_model_parallel_size}"
+        )
+    if args.fp16 and args.bf16:
+        errors.append("--fp16 and --bf16 were both given: choose one precision")
+    if args.min_lr > args.lr:
+        errors.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        errors.append(
+            f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
+            f"{args.lr_warmup_iters} were both given: choose one"
+        )
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        errors.append(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be within [0, 1]")
+    for name in ("log_interval", "eval_interval"):
+        if getattr(args, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.eval_iters < 0:
+        errors.append(f"--eval-iters {args.eval_iters} must be >= 0")
+    if args.device_memory_gib is not None and args.device_memory_gib <= 0:
+        errors.append(f"--device-memory-gib {args.device_memory_gib} must be > 0")
+    try:
+        pick_backend(args.distributed_backend)
+    except ValueError as exc:
+        errors.append(f"--distributed-backend {args.distributed_backend}: {exc}")
+    try:
+        parse_split(args.split)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def _file_errors(args: PretrainArgs) -> list[str]:
+    """The dataset, the tokenizer files, the checkpoint folders and the exit signal that saves."""
+    errors = []
+    if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:
+        errors.append(
+            f"--exit-signal {args.exit_signal} was given without --exit-signal-handler: the signal would "
+            f"end the run by its default action instead of a checkpoint and a clean exit"
+        )
+    if args.save_interval is not None and args.save is None:
+        errors.append(f"--save-interval {args.save_interval} was given without --save DIR")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        errors.append(f"--load {args.load} is a file, not a checkpoint directory")
+    if args.data_path is None:
+        errors.append("--data-path is required: run code/preprocess_data.py first (see its docstring)")
+    elif not (os.path.exists(args.data_path + ".bin") and os.path.exists(args.data_path + ".idx")):
+        errors.append(
+            f"--data-path {args.data_path}: no {args.data_path}.bin/.idx; give the prefix "
+            f"written by preprocess_data.py (it ends in _text_document)"
+        )
+    for name in ("vocab_file", "merge_file"):
+        path = getattr(args, name)
+        if path is None or not os.path.exists(path):
+            errors.append(f"--{name.replace('_', '-')} {path} does not exist: run code/train_tokenizer.py")
+    return errors
+
+
+def _profile_errors(args: PretrainArgs, world_size: int) -> list[str]:
+    """--profile-step-start/end within the run; --profile-ranks within the world."""
+    errors = []
+    start, end = args.profile_step_start, args.profile_step_end
+    if args.profile_execution and not 1 <= start < end <= args.train_iters:
+        errors.append(
+            f"--profile-step-start {start} and --profile-step-end {end} need 1 <= start < end <= "
+            f"--train-iters {args.train_iters} (warm-up on iteration start, traced start+1..end): "
+            f"train longer or trace fewer steps"
+        )
+    try:
+        bad = [r for r in profile_ranks(args) if not 0 <= r < world_size]
+        if bad:
+            errors.append(f"--profile-ranks {args.profile_ranks}: ranks {bad} not in world size {world_size}")
+    except ValueError:
+        errors.append(f"--profile-ranks {args.profile_ranks}: expected comma-separated ranks, e.g. 0,2")
+    return errors
+
+
+def _recompute_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """Megatron-LM's recomputation rules (``recompute.recompute_errors``), where
+    ``--recompute-activations`` is ``--recompute-granularity selective``."""
+    if args.recompute_activations and args.recompute_granularity == "full":
+        return [
+            "--recompute-activations (selective recomputation) and --recompute-granularity full "
+            "were both given: choose one"
+        ]
+    return recompute_errors(
+        granularity_of(args.recompute_activations, args.recompute_granularity),
+        args.recompute_method,
+        args.recompute_num_layers,
+        args.num_layers // (layout.pp * layout.vp),
+    )
+
+
+def _moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """The MoE flags against each other and the layout (ep dividing dp is the layout's own check).
+    Refused, as not built here: MoE with tp or pp > 1, with full recomputation, DeepSpeed or
+    FSDP2, and checkpoints of experts split over ep ranks."""
+    if args.num_experts is None:
+        if args.moe_expert_capacity_factor is not None:
+            return [
+                f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor} was given without --num-experts"
+            ]
+        return []
+    errors = config_errors(args.num_experts, args.moe_router_topk, args.moe_expert_capacity_factor)
+    errors += placement_errors(args.num_experts, layout.ep)
+    if layout.ep > 1 and args.moe_token_dispatcher_type != "alltoall":
+        errors.append(
+            f"--expert-model-parallel-size {layout.ep} with --moe-token-dispatcher-type "
+            f"{args.moe_token_dispatcher_type}: this engine moves tokens between expert ranks with "
+            f"all-to-all only; add --moe-token-dispatcher-type alltoall"
+        )
+    if layout.tp > 1 or layout.pp > 1:
+        errors.append(
+            f"--num-experts with --tensor-model-parallel-size {layout.tp} and --pipeline-model-parallel-size "
+            f"{layout.pp}: this engine's MoE runs with tp = pp = 1 only (experts split over data-parallel "
+            f"ranks; the aux loss joins the loss on the one stage); set both to 1"
+        )
+    if layout.cp > 1:
+        errors.append(
+            f"--num-experts with --context-parallel-size {layout.cp}: this engine's router counts the "
+            f"tokens per expert of one sequence shard only (Megatron sums them over the cp group); "
+            f"set --context-parallel-size 1"
+        )
+    if args.recompute_granularity == "full":
+        errors.append(
+            "--num-experts with --recompute-granularity full: the router's aux loss would be computed "
+            "inside the checkpointed blocks; use --recompute-activations (selective) or none"
+        )
+    if args.deepspeed or args.use_torch_fsdp2:
+        errors.append(
+            "--num-experts with --deepspeed / --use-torch-fsdp2: those back ends average every gradient "
+            "over all data-parallel ranks; MoE runs on this engine's own back end: drop them"
+        )
+    if layout.ep > 1 and (args.save or args.load):
+        errors.append(
+            f"--save/--load with --expert-model-parallel-size {layout.ep}: each ep rank holds different "
+            f"experts and the checkpoint formats here write one copy per model-parallel rank; drop "
+            f"--save/--load or use --expert-model-parallel-size 1"
+        )
+    return errors
+
+
+def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """--context-parallel-size: this engine's own back end, no attention dropout, the legacy checkpoints."""
+    if layout.cp == 1:
+        return []
+    flag = f"--context-parallel-size {layout.cp}"
+    errors = [
+        f"{flag} with {name}: {why}" if name else why
+        for name, given, why in (
+            ("--deepspeed", args.deepspeed, "ZeRO shards over the data-parallel ranks only; drop one"),
+            ("--use-torch-fsdp2", args.use_torch_fsdp2, "its mesh is the data-parallel ranks only; drop one"),
+            ("--tensor-parallel-impl dtensor", args.tensor_parallel_impl == "dtensor",
+             "its DeviceMesh has no cp dimension here; use --tensor-parallel-impl megatron"),
+            (None, True, context_dropout_error(layout.cp, args.attention_dropout)),  # the layout's rule
+            ("--ckpt-format torch_dist", args.ckpt_format == "torch_dist" and bool(args.save or args.load),
+             "cp ranks hold the same weights under the same names; use --ckpt-format torch"),
+            ("--sequence-parallel", args.sequence_parallel,
+             "not combined with ring attention in this engine; drop one"),
+        )
+        if given and why
+    ]  # fmt: skip
+    return errors
+
+
+def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """v > 1 (its sizes are checked by the layout): the interleaved schedule is a 1F1B, with a
+    whole sequence per rank."""
+    try:
+        check_schedule(args.pipeline_schedule, layout.vp)
+    except ValueError as e:
+        return [str(e)]
+    if layout.vp > 1 and args.sequence_parallel:
+        return [
+            f"--sequence-parallel with an interleaved pipeline (v = {layout.vp}): not combined in this "
+            f"engine; drop the virtual-pipeline flag or --sequence-parallel"
+        ]
+    if layout.vp > 1 and layout.cp > 1:
+        return [
+            f"--context-parallel-size {layout.cp} with an interleaved pipeline (v = {layout.vp}): not "
+            f"combined in this engine; drop the virtual-pipeline flag or set --context-parallel-size 1"
+        ]
+    return []
+
+
+def _grad_reduce_errors(args: PretrainArgs, layout: Layout) -> list[str]:
+    """--ddp-bucket-size > 0; --overlap-grad-reduce is this engine's own (LocalBackend), with pp 1
+    (its pipeline schedules do not tell the buckets which backward is the last micro-batch's).
+    Without dp > 1 it is accepted and does nothing, as in Megatron-LM."""
+    errors = []
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        errors.append(
+            f"--ddp-bucket-size {args.ddp_bucket_size}: a bucket holds a positive number of gradient "
+            f"elements; give e.g. 1000000, or leave it out for Megatron's default"
+        )
+    if not args.overlap_grad_reduce:
+        return errors
+    if layout.pp > 1:
+        errors.append(
+            f"--overlap-grad-reduce with --pipeline-model-parallel-size {layout.pp}: this engine overlaps "
+            f"the gradient all-reduce only without pipeline parallelism; set pp 1 or drop the flag"
+        )
+    for flag, given in (("--deepspeed", args.deepspeed), ("--use-torch-fsdp2", args.use_torch_fsdp2)):
+        if given:
+            errors.append(
+                f"--overlap-grad-reduce with {flag}: that back end reduces the gradients in its own hooks "
+                f"(overlapped already); drop --overlap-grad-reduce"
+            )
+    return errors

@@ -1,0 +1,186 @@
+"""``--ckpt-format torch_dist``: sharded checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Every rank writes its own part; a checkpoint written by N ranks loads into M. Under ``--save``
+(the folder Megatron-LM's torch_dist writes: DCP's files and a ``common.pt``)::
+
+    latest_checkpointed_iteration.txt   "6" (the same tracker as --ckpt-format torch)
+    iter_0000006/.metadata              DCP's index: every tensor's global shape and dtype, and
+                                        which chunk (offsets, sizes) lies in which file where
+    iter_0000006/__0_0.distcp           rank 0's chunks (FSDP2: its rows of every parameter and
+    iter_0000006/__1_0.distcp           Adam moment; plain dp: each replicated tensor once)
+    iter_0000006/common.pt              iteration, consumed samples, loss scaler, arguments and
+                                        every rank's RNG states (rank 0, torch.save)
+
+Saving: ``get_state_dict(model, optimizer)`` (here its two halves, ``get_model_state_dict`` and
+``get_optimizer_state_dict``) returns both state dicts keyed by parameter name (the optimizer's
+too, its param_groups included: :data:`OPTIONS`), FSDP2's parameters and moments as ``Shard(0)``
+DTensors, the plain engine's as whole tensors. ``dcp.save`` plans from them: a
+DTensor is its rank's chunk at its offset in the global tensor, a whole tensor that the dp ranks
+hold alike is written by one of them. Loading: ``dcp.load`` fills the state dicts of the run that
+loads, whatever their sharding: each rank asks for its chunks and DCP reads the overlapping parts
+of the saved ones (2 FSDP2 ranks -> 1 plain rank: both files' rows); ``set_state_dict``'s halves
+put them in the model and the optimizer. Pipeline stages save different names (``wte.weight`` on
+the first, ``output_weight`` on the last), so pp works too, with the same pp on load. The
+hand-written tensor parallelism is refused (``arguments/``): its shards are plain tensors of one
+name on every tp rank, which DCP would take for replicas. DTensor's (``--tensor-parallel-impl
+dtensor``) are DTensors: a checkpoint of FSDP2 over 4 ranks loads into TP 2 (x FSDP2), or 1 rank.
+
+Atomic and durable as the torch format: everything is written into ``iter_0000006.tmp/`` (DCP
+fsyncs every rank's files, its ``FileSystemWriter(sync_files=True)`` default; ``common.pt`` is
+fsynced too); once DCP's ``.metadata`` is there (it is written last, after every rank's data),
+rank 0 fsyncs the folder, puts it in place and then the tracker (``checkpointing.commit``).
+
+``--async-save`` (``dcp.async_save``): the save blocks for the state dicts, ``common.pt`` and
+the copy of every tensor to CPU memory (DCP's stager: the next steps change the parameters);
+DCP's planning and writes then run in a thread, on a gloo group of their own (two threads must
+not share a group's collectives), while training goes on. The next save and the end of training
+wait for it; rank 0 commits as soon as the write is complete. The save line gives both times,
+``blocking`` (what the training loop waited, the previous save's end included) and ``total``
+(until committed)::
+
+      successfully saved checkpoint at iteration       6 to ckpt in torch_dist format (async) | blocking 9.8 ms | total 61.0 ms
+
+The run's saves and loads in either format go through ``checkpointer.py``, which imports this
+module only for ``torch_dist``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.checkpointing import checkpointing, durable
+from distlab.gpt.checkpointing.checkpointing import Snapshot
+from distlab.gpt.parallel_state import ParallelState
+
+COMMON = "common.pt"  # Megatron-LM's name for the state every rank shares
+
+
+#: The optimizer's param_groups keyed by parameter name too (``param_groups.<name>.lr``): the
+#: groups of two pipeline stages hold different parameters, and would otherwise share a key.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _coords(state: ParallelState) -> tuple[int, int, int]:
+    return state.tp_rank, state.pp_rank, state.dp_rank
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, with_optimizer: bool) -> dict:
+    """What DCP saves, or loads into: ``{"model": ..., "optimizer": ...}`` by parameter name (FSDP2:
+    DTensor shards), ``get_state_dict``'s two halves. An optimizer that has not stepped yet (only
+    fp16 overflows so far) is left out: ``get_optimizer_state_dict`` would give it a state by
+    stepping it with lr 0, and Adam's step count would then differ from the uninterrupted run's."""
+    state_dict = {"model": get_model_state_dict(model, options=OPTIONS)}
+    if with_optimizer:
+        state_dict["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
+    return state_dict
+
+
+def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple[str, dict]:
+    """Write ``common.pt`` into a fresh ``iter_<iteration>.tmp`` (rank 0); return the folder and
+    this rank's state dict for DCP (collective: every rank's RNG reaches rank 0).
+
+    Rank 0 clears the folder before the all-gather, and no rank leaves the all-gather before rank 0
+    has joined it: DCP's local plan creates the folder on every rank, so a rank already in
+    ``dcp.save`` must not meet rank 0's ``rmtree``/``makedirs`` (FileExistsError, or its files gone)."""
+    model, optimizer, scaler_state, iteration, consumed_samples = saved
+    tmp = checkpointing.checkpoint_dir(args.save, iteration) + ".tmp"
+    if state.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
+        os.makedirs(tmp)
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, (_coords(state), checkpointing.rng_state()))
+    if state.rank == 0:
+        common = {"iteration": iteration, "consumed_samples": consumed_samples, "scaler": scaler_state,
+                  "rng": dict(rngs), "args": dataclasses.asdict(args)}  # fmt: skip
+        durable.write_file(os.path.join(tmp, COMMON), lambda f: torch.save(common, f))
+    return tmp, _state_dict(model, optimizer, with_optimizer=bool(optimizer.state))
+
+
+def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> str:
+    """``dcp.save`` into ``iter_<iteration>.tmp``, then commit (rank 0); return the folder."""
+    tmp, state_dict = _prepare(args, state, saved)
+    dcp.save(state_dict, checkpoint_id=tmp)  # returns on every rank once .metadata is written
+    if state.rank == 0:
+        checkpointing.commit(args.save, saved.iteration)
+    dist.barrier()
+    return tmp.removesuffix(".tmp")
+
+
+def async_save_checkpoint(
+    args: PretrainArgs, state: ParallelState, saved: Snapshot, *, group: dist.ProcessGroup
+) -> Future:
+    """``dcp.async_save``: stage to CPU memory, return; a thread writes (collectives on the gloo
+    ``group``), then rank 0 commits. The future holds the ``time.perf_counter()`` of the commit."""
+    tmp, state_dict = _prepare(args, state, saved)
+    written = dcp.async_save(state_dict, checkpoint_id=tmp, process_group=group)  # staged when it returns
+    committed: Future = Future()
+
+    def commit(future: Future) -> None:  # in DCP's thread, once this rank's part of the save is done
+        try:
+            future.result()  # every rank's data and .metadata are written
+            if state.rank == 0:
+                checkpointing.commit(args.save, saved.iteration)
+            committed.set_result(time.perf_counter())
+        except BaseException as exc:  # raised where the run waits for the save
+            committed.set_exception(exc)
+
+    written.add_done_callback(commit)
+    return committed
+
+
+def load_checkpoint(
+    args: PretrainArgs,
+    state: ParallelState,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> tuple[int, int, dict | None] | None:
+    """Restore from ``args.load`` in the run's own sharding; return ``(iteration,
+    consumed_samples, scaler_state)``, or None when the folder holds no checkpoint yet."""
+    iteration = checkpointing.read_tracker(args.load)
+    if iteration is None:
+        return None
+    folder = checkpointing.committed_dir(args.load, iteration)
+    if not os.path.exists(os.path.join(folder, ".metadata")):
+        legacy = os.path.isdir(folder) and any(name.startswith("mp_rank_") for name in os.listdir(folder))
+        raise FileNotFoundError(
+            f"{folder} has no .metadata: "
+            + (
+                "it was written with --ckpt-format torch; load it with --ckpt-format torch"
+                if legacy
+                else "not a torch.distributed.checkpoint folder"
+            )
+        )
+    common = torch.load(os.path.join(folder, COMMON), map_location="cpu", weights_only=False)
+    # tp may change: a torch_dist checkpoint holds whole tensors or DTensor shards (never the
+    # hand-written TP's), which DCP cuts for the loading layout
+    checkpointing.check_args(common["args"], args, folder, may_differ=("tensor_model_parallel_size",))
+    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata  # every key saved
+    with_optimizer = any(key.startswith("optimizer.") for key in saved)
+    state_dict = _state_dict(model, optimizer, with_optimizer=with_optimizer)  # this run's, to be filled
+    dcp.load(state_dict, checkpoint_id=folder)
+    set_model_state_dict(model, state_dict["model"], options=OPTIONS)
+    if with_optimizer:
+        set_optimizer_state_dict(model, optimizer, state_dict["optimizer"], options=OPTIONS)
+    rngs, (tp_rank, pp_rank, _) = common["rng"], _coords(state)
+    # new dp ranks: dp 0's; new tp ranks too: tp 0's default stream, but their own model-parallel
+    # stream (tp 0's would repeat its attention-dropout masks)
+    own = rngs.get(_coords(state)) or rngs.get((tp_rank, pp_rank, 0))
+    checkpointing.set_rng_state(own or rngs[(0, pp_rank, 0)], tracker=own is not None)
+    return common["iteration"], common["consumed_samples"], common["scaler"]

@@ -1,0 +1,162 @@
+"""Gradient finalisation: everything between the last backward of a step and the optimizer step.
+
+After the forward/backward of the step's ``m`` micro-batches each rank holds, in ``.grad``, the
+gradient of its share of the loss, ``sum_k d(loss_k x S / m)`` (``S`` the fp16 loss scale, else
+1). Then, in this order, on every layout:
+
+1. tied embedding (pp > 1): ``dE = dE_first + dE_last`` over ``state.embedding_group``: E is one
+   parameter used twice, held by the first and the last stage;
+2. data (and context) parallel: ``g = (1 / (dp cp)) sum_r g_r`` over ``state.dp_cp_group`` (the
+   ranks holding the same weights; cp ranks saw other tokens), flat all-reduces of the buckets of
+   ``grad_buckets.py`` (one bucket by default), after the whole schedule as Megatron's
+   ``finalize_model_grads``, or, with ``--overlap-grad-reduce`` (pp = 1), started during the last
+   micro-batch's backward and only waited for here;
+   expert parameters (``p.expert_parallel``, ep > 1) instead over ``state.edp_group``, the
+   ``dp cp / ep`` ranks that hold the same experts, still divided by dp cp: each rank's expert
+   gradient already sums the tokens its ep group's ranks sent it, so the sum over the
+   expert-data-parallel group covers all dp ranks' tokens once;
+3. sequence parallel (``--sequence-parallel``): ``g = sum_r g_r`` over ``state.tp_group`` for
+   the replicated parameters applied to sequence shards (tagged ``sequence_parallel``: the
+   LayerNorms, row-parallel biases, the position table), each rank having the gradient of its
+   T / tp positions only; one flat all-reduce, after step 2 (the two sums are over different
+   ranks and commute; an overlapped bucket writes its average back into ``.grad`` at ``finish``);
+4. fp16: divide by ``S`` and look for inf / nan on any rank (the step is then skipped);
+5. global norm ``||g|| = sqrt(sum_p ||g_p||^2)`` over the model-parallel ranks, each parameter
+   counted once (a replicated one on tp rank 0, E's copy on the last stage not at all, each
+   expert on the ep rank that holds it);
+6. clipping: every gradient times ``min(1, clip / ||g||)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distlab.gpt.distributed.grad_buckets import GradBuckets, is_expert
+from distlab.gpt.optimizer.loss_scaler import unscale_and_check
+from distlab.gpt.parallel_state import ParallelState
+
+
+@torch.no_grad()
+def reduce_gradients(
+    params: Iterable[nn.Parameter],
+    tied_weight: torch.Tensor | None,
+    state: ParallelState,
+    buckets: GradBuckets | None = None,
+) -> None:
+    """Steps 1 to 3: sum the tied embedding's two gradients, average over dp x cp through
+    ``buckets`` (``grad_buckets.py``; default: one bucket of all dense ``params``, reduced now;
+    experts: sum over the expert-data-parallel group, divide by dp x cp), then sum the
+    sequence-parallel parameters' gradients over tp."""
+    if tied_weight is not None and state.embedding_group is not None:
+        if tied_weight.grad is None:
+            tied_weight.grad = torch.zeros_like(tied_weight)
+        dist.all_reduce(tied_weight.grad, group=state.embedding_group)
+    params = list(params)
+    if buckets is None:
+        buckets = GradBuckets(
+            params, state, bucket_size=max(1, sum(p.numel() for p in params)), overlap=False
+        )
+    buckets.finish()  # the dense parameters (every one when ep = 1)
+    experts = [p.grad for p in params if p.grad is not None and state.ep > 1 and is_expert(p)]
+    if experts:
+        edp = state.layout.expert_data_size // state.ep
+        _all_reduce_mean(experts, state.edp_group if edp > 1 else None, state.layout.expert_data_size)
+    if state.layout.sequence_parallel:
+        sharded = [p.grad for p in params if p.grad is not None and getattr(p, "sequence_parallel", False)]
+        _all_reduce_mean(sharded, state.tp_group, 1)
+
+
+def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
+    """``g = (1 / divisor) sum_group g``, as one flat all-reduce (no group: the division alone)."""
+    if not grads or (group is None and divisor == 1):
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one message instead of one per tensor
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat /= divisor
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> torch.Tensor:
+    """Step 5: global L2 norm of the gradients (fp32 scalar), counted once per distinct parameter."""
+    tp_rank = state.tp_rank if state is not None else 0
+    pp = state.pp if state is not None else 1
+    ep = state.ep if state is not None else 1
+    grads, experts = [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        if getattr(p, "partition_dim", None) is None and tp_rank != 0:
+            continue
+        if getattr(p, "shared_embedding", False) and pp > 1:
+            continue
+        (experts if ep > 1 and is_expert(p) else grads).append(p.grad.detach())
+    total = _square_sum(grads)  # sum_p ||g_p||^2
+    if ep > 1:  # each ep rank holds different experts: their squares add up over the group
+        expert_total = _square_sum(experts)
+        dist.all_reduce(expert_total, group=state.ep_group)
+        total = total + expert_total
+    if state is not None:
+        for group, size in ((state.tp_group, state.tp), (state.pp_group, state.pp)):
+            if size > 1:
+                dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def _square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=_collective_device())
+    return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+
+
+def _collective_device() -> torch.device:
+    """Where collectives of this rank's groups run: its GPU with nccl, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Step 6: scale all gradients by ``min(1, max_norm / norm)`` (no-op when ``max_norm`` is 0)."""
+    if max_norm <= 0:
+        return
+    coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coeff.to(grads[0].device))
+
+
+@dataclass
+class Gradients:
+    """What finalisation found: the norm before clipping (None after an fp16 overflow)."""
+
+    norm: float | None
+    overflow: bool = False
+
+
+def finalize_gradients(
+    params: list[nn.Parameter],
+    tied_weight: torch.Tensor | None,
+    state: ParallelState,
+    *,
+    loss_scale: float | None,
+    clip_grad: float,
+    buckets: GradBuckets | None = None,
+) -> Gradients:
+    """Steps 1 to 6 (``loss_scale`` None: no fp16 scaling). Gradients are left unclipped when
+    the norm is not finite: the step that follows is skipped."""
+    reduce_gradients(params, tied_weight, state, buckets)
+    if loss_scale is not None and unscale_and_check(params, loss_scale):
+        return Gradients(None, overflow=True)
+    norm = grad_norm(params, state)
+    if torch.isfinite(norm):
+        clip_gradients(params, clip_grad, norm)
+    return Gradients(float(norm))

@@ -1,0 +1,1 @@
+"""Mixture of experts: router, experts and expert parallelism (Megatron Core's ``transformer/moe/``)."""

@@ -1,0 +1,1 @@
+"""Runs and pictures around the engine, for tests and notebooks (Megatron-LM's ``tools/``)."""

@@ -1,0 +1,149 @@
+"""Pictures of tensor and hybrid parallelism, drawn with matplotlib into ``images/gpt/``.
+
+Run from the repository root (the PNGs are committed; rerun after changing this file)::
+
+    python -m distlab.gpt.tools.diagrams            # writes images/gpt/tp_block.png, tp2_pp2_placement.png
+
+``tp_block``: one transformer block over 2 tensor-parallel ranks (Megatron's split). Each rank
+holds half the attention heads and half the MLP columns (column-parallel: Q, K, V, fc1) then the
+matching rows (row-parallel: proj, fc2). ``f`` is the identity forward and an all-reduce backward;
+``g`` an all-reduce forward and the identity backward: 2 all-reduces forward, 2 backward.
+
+``tp2_pp2_placement``: world 4 = TP 2 x PP 2 x DP 1 on 2 nodes x 2 GPUs, placed in Megatron's
+rank order (``Layout``): a tensor-parallel pair inside each node, the pipeline across.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
+
+from distlab import REPO_ROOT  # noqa: E402
+from distlab.gpt.layout import Layout  # noqa: E402
+
+OP = "#fdd49e"  # f / g operators
+COMM = "#e34a33"
+
+
+def _box(ax, x: float, y: float, w: float, h: float, text: str, face: str, size: int = 8) -> None:
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", facecolor=face, edgecolor="black"))
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size)
+
+
+def _arrow(
+    ax, a: tuple[float, float], b: tuple[float, float], colour: str = "black", style: str = "-|>"
+) -> None:
+    ax.add_patch(FancyArrowPatch(a, b, arrowstyle=style, mutation_scale=10, color=colour, lw=1.2))
+
+
+# (label, width, kind): kind "op" = f/g operator (spans both ranks), "rank" = per-rank shard
+_BLOCK = [
+    ("X\n(b, s, h)", 0.9, "both"),
+    ("LN", 0.5, "both"),
+    ("f", 0.4, "op"),
+    ("Q K V\nheads {heads}\n(column)", 1.2, "rank"),
+    ("attention\nheads {heads}", 1.1, "rank"),
+    ("proj\n(row)\npartial sum", 1.1, "rank"),
+    ("g", 0.4, "op"),
+    ("+ X", 0.5, "both"),
+    ("LN", 0.5, "both"),
+    ("f", 0.4, "op"),
+    ("fc1 cols\n{cols}\n(column)", 1.2, "rank"),
+    ("GeLU", 0.6, "rank"),
+    ("fc2 rows\n{cols}\n(row)", 1.1, "rank"),
+    ("g", 0.4, "op"),
+    ("+\nout", 0.5, "both"),
+]
+
+
+def draw_tp_block(out_dir: Path, heads: int = 4, ffn: int = 256) -> Path:
+    """One block over 2 tensor-parallel ranks, rank 0 on top."""
+    fig, ax = plt.subplots(figsize=(14, 3.6))
+    x, gap = 0.0, 0.25
+    for label, w, kind in _BLOCK:
+        for r, y in enumerate((1.6, 0.2)):
+            hs = f"{r * heads // 2}-{(r + 1) * heads // 2 - 1}"
+            cols = f"{r * ffn // 2}-{(r + 1) * ffn // 2 - 1}"
+            text = label.format(heads=hs, cols=cols)
+            face = {"op": OP, "rank": f"C{r}", "both": "#f0f0f0"}[kind]
+            if kind != "op":
+                _box(
+                    ax, x, y, w, 1.0, text, face if kind == "both" else matplotlib.colors.to_hex(face) + "55"
+                )
+        if kind == "op":
+            _box(ax, x, 0.2, w, 2.4, label, OP, size=12)
+            name = "identity fwd\nall-reduce bwd" if label == "f" else "all-reduce fwd\nidentity bwd"
+            ax.text(x + w / 2, 2.85, name, ha="center", va="bottom", fontsize=7, color=COMM)
+        if x > 0:
+            for y in (2.1, 0.7):
+                _arrow(ax, (x - gap, y), (x, y))
+        x += w + gap
+    ax.text(-0.2, 2.1, "rank 0", ha="right", va="center", fontsize=10, color="C0")
+    ax.text(-0.2, 0.7, "rank 1", ha="right", va="center", fontsize=10, color="C1")
+    ax.set_xlim(-1.0, x)
+    ax.set_ylim(0, 3.5)
+    ax.axis("off")
+    ax.set_title(
+        f"One transformer block over tensor-parallel size 2 ({heads} heads, MLP width {ffn}): "
+        "4 all-reduces per layer per step (g twice forward, f twice backward)",
+        fontsize=10,
+    )
+    return _save(fig, out_dir / "tp_block.png")
+
+
+def draw_placement(out_dir: Path, nodes: int = 2, per_node: int = 2, tp: int = 2, pp: int = 2) -> Path:
+    """Ranks of TP x PP on ``nodes`` x ``per_node`` devices in Megatron's order, with their groups."""
+    layout = Layout(nodes * per_node, tp, pp)
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    pos, node_w = {}, 1.8 * per_node + 0.2
+    for n in range(nodes):
+        x0 = n * (node_w + 0.8)
+        ax.add_patch(FancyBboxPatch((x0, 0), node_w, 2.0, boxstyle="round,pad=0.05", facecolor="#f7f7f7"))
+        ax.text(x0 + 0.1, 1.8, f"node{n + 1}", ha="left", fontsize=11, weight="bold")
+        for local in range(per_node):
+            rank = n * per_node + local
+            t, d, p = (layout.coord(rank, dim) for dim in ("tp", "dp", "pp"))
+            x = x0 + 0.3 + local * 1.8
+            face = matplotlib.colors.to_hex(f"C{p}") + "66"
+            _box(ax, x, 0.45, 1.2, 1.1, f"GPU {local}: rank {rank}\ntp {t}  pp {p}  dp {d}", face, size=8)
+            pos[rank] = (x, x + 1.2)
+    for group in layout.groups("tp"):
+        (_, a), (b, _) = pos[group[0]], pos[group[-1]]
+        _arrow(ax, (a, 1.0), (b, 1.0), COMM, "<|-|>")
+        ax.text((a + b) / 2, 0.12, "TP all-reduce, inside the node", ha="center", fontsize=7, color=COMM)
+    for group in layout.groups("pp"):
+        a, b = sum(pos[group[0]]) / 2, sum(pos[group[-1]]) / 2
+        ax.add_patch(FancyArrowPatch((a, 1.6), (b, 1.6), arrowstyle="-|>", mutation_scale=10, color="C2",
+                                     connectionstyle="arc3,rad=-0.25"))  # fmt: skip
+        ax.text((a + b) / 2, 1.6 + 0.125 * (b - a) + 0.05, f"PP send/recv {group}", ha="center", fontsize=7,
+                color="C2")  # fmt: skip
+    ax.set_xlim(-0.3, nodes * (node_w + 0.8))
+    ax.set_ylim(-0.1, 2.9)
+    ax.axis("off")
+    ax.set_title(f"TP={tp} x PP={pp} x DP={layout.dp} on {nodes} nodes x {per_node} GPUs (Megatron rank order)",
+                 fontsize=10)  # fmt: skip
+    return _save(fig, out_dir / "tp2_pp2_placement.png")
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    out_dir = Path(argv[0]) if argv else REPO_ROOT / "images" / "gpt"
+    print(draw_tp_block(out_dir))
+    print(draw_placement(out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The training step, evaluation, the log line, FLOPs and fault handling (Megatron's ``training/``)."""

@@ -1,0 +1,306 @@
+"""Megatron-format log lines, TensorBoard scalars, the one timer of the training loop, and the
+torch.profiler traces of training steps (in the layout TensorBoard's PyTorch Profiler reads).
+
+The throughput fields of the iteration line (tokens/s, TFLOP/s per device, MFU) come from
+``flops.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from distlab.gpt.arguments import PretrainArgs, profile_ranks
+from distlab.gpt.training.flops import device_peak_tflops, model_flops_per_iteration
+from distlab.logs.formats import ITERATION, VALIDATION
+
+
+def iteration_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    elapsed_ms: float,
+    lr: float,
+    global_batch_size: int,
+    loss: float,
+    loss_scale: float,
+    grad_norm: float | None,
+    skipped: int,
+    nan: int,
+    tokens_per_s: float,
+    tflops_per_device: float,
+    mfu: float | None,
+) -> str:
+    """Megatron's training log line, then throughput fields: ``distlab.logs.formats.ITERATION``."""
+    return ITERATION.format(
+        it=iteration,
+        total=train_iters,
+        samples=consumed_samples,
+        ms=elapsed_ms,
+        lr=lr,
+        gbs=global_batch_size,
+        loss=loss,
+        scale=loss_scale,
+        gnorm=grad_norm,
+        skipped=skipped,
+        nan=nan,
+        tokens_per_s=tokens_per_s,
+        tflops=tflops_per_device,
+        mfu_percent=None if mfu is None else 100 * mfu,
+    )
+
+
+#: What the notebooks grep for; tests check ``iteration_line`` against it.
+ITERATION_RE = ITERATION.regex
+
+
+def validation_lines(label: str, loss: float) -> list[str]:
+    """Megatron's boxed validation report: loss and perplexity (``distlab.logs.formats.VALIDATION``)."""
+    ppl = float("inf") if loss > 700 else float(torch.tensor(loss).exp())
+    body = VALIDATION.format(label=label, loss=loss, ppl=ppl)
+    bar = "-" * (len(body) + 1)
+    return [bar, body, bar]
+
+
+class Timer:
+    """Wall-clock seconds since the start and between laps; synchronises CUDA so GPU work counts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sync()
+        self.started = self._last = time.perf_counter()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def lap(self) -> float:
+        """Seconds since the previous lap (or the start)."""
+        self._sync()
+        now = time.perf_counter()
+        dt, self._last = now - self._last, now
+        return dt
+
+    def elapsed(self) -> float:
+        """Seconds since the start."""
+        return time.perf_counter() - self.started
+
+
+class TensorBoardLog:
+    """Megatron's TensorBoard tags, written by one rank; a no-op without ``--tensorboard-dir``."""
+
+    def __init__(self, args: PretrainArgs, enabled: bool) -> None:
+        self.args, self.writer = args, None
+        if enabled and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+
+    def training(
+        self,
+        iteration: int,
+        samples: int,
+        *,
+        loss: float,
+        lr: float,
+        loss_scale: float,
+        grad_norm: float | None,
+        iter_ms: float,
+        timers: dict[str, float],
+        global_batch_size: int | None = None,
+    ) -> None:
+        """One iteration's scalars; ``global_batch_size``: this step's (a ramp's), else the final."""
+        w, a = self.writer, self.args
+        if w is None:
+            return
+        batch = global_batch_size or a.global_batch_size
+        w.add_scalar("learning-rate", lr, iteration)
+        w.add_scalar("learning-rate vs samples", lr, samples)
+        if a.log_batch_size_to_tensorboard:
+            w.add_scalar("batch-size", batch, iteration)
+            w.add_scalar("batch-size vs samples", batch, samples)
+        w.add_scalar("lm loss", loss, iteration)
+        w.add_scalar("lm loss vs samples", loss, samples)
+        if a.fp16:
+            w.add_scalar("loss-scale", loss_scale, iteration)
+            w.add_scalar("loss-scale vs samples", loss_scale, samples)
+        if grad_norm is not None:
+            w.add_scalar("grad-norm", grad_norm, iteration)
+            w.add_scalar("grad-norm vs samples", grad_norm, samples)
+        if a.log_timers_to_tensorboard:
+            w.add_scalar("iteration-time", iter_ms / 1000.0, iteration)
+            for name, ms in timers.items():
+                w.add_scalar(f"{name}-time", ms, iteration)
+
+    def validation(self, iteration: int, samples: int, loss: float) -> None:
+        w = self.writer
+        if w is None:
+            return
+        w.add_scalar("lm loss validation", loss, iteration)
+        w.add_scalar("lm loss validation vs samples", loss, samples)
+        if self.args.log_validation_ppl_to_tensorboard:
+            ppl = float(torch.tensor(min(loss, 700.0)).exp())
+            w.add_scalar("lm loss validation ppl", ppl, iteration)
+            w.add_scalar("lm loss validation ppl vs samples", ppl, samples)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class TrainingLog:
+    """Per-iteration history plus Megatron's line every ``--log-interval`` iterations.
+
+    The line averages loss and time over the interval and counts its skipped / nan iterations;
+    ``history`` keeps every iteration (tests and notebooks read it).
+    """
+
+    def __init__(self, args: PretrainArgs, *, vocab_size: int, world_size: int, device: torch.device) -> None:
+        self.args, self.world_size = args, world_size
+        self.flops = model_flops_per_iteration(args, vocab_size)
+        self.peak = device_peak_tflops(device)
+        keys = ("iterations", "losses", "loss_scales", "grad_norms", "lrs", "val_losses", "iter_ms")
+        self.history: dict = {k: [] for k in keys}
+        self.history.update(skipped=0, nan=0)
+        self._losses: list[float] = []
+        self._ms: list[float] = []
+        self._skipped = self._nan = 0
+        self._batch = args.global_batch_size  # this step's global batch (a ramp changes it)
+
+    def record(
+        self,
+        iteration: int,
+        consumed: int,
+        *,
+        loss: float,
+        grad_norm: float | None,
+        skipped: bool,
+        nan: bool,
+        lr: float,
+        loss_scale: float,
+        iter_ms: float,
+        global_batch_size: int | None = None,
+    ) -> str | None:
+        """Add one iteration (``iter_ms``: the whole of it, data, step and logging; its global
+        batch, a ramp's, else the final); return the log line when one is due."""
+        self._batch = global_batch_size or self.args.global_batch_size
+        h = self.history
+        for key, val in (
+            ("iterations", iteration),
+            ("losses", loss),
+            ("loss_scales", loss_scale),
+            ("grad_norms", grad_norm),
+            ("lrs", lr),
+        ):
+            h[key].append(val)
+        h["iter_ms"].append(iter_ms)
+        h["skipped"] += skipped
+        h["nan"] += nan
+        self._skipped += skipped
+        self._nan += nan
+        self._ms.append(iter_ms)
+        if not nan:  # a skipped fp16 step still has a true forward loss
+            self._losses.append(loss)
+        if iteration % self.args.log_interval and iteration != self.args.train_iters:
+            return None
+        line = self._line(iteration, consumed, lr=lr, loss_scale=loss_scale, grad_norm=grad_norm)
+        self._losses, self._ms, self._skipped, self._nan = [], [], 0, 0
+        return line
+
+    def _line(
+        self, iteration: int, consumed: int, *, lr: float, loss_scale: float, grad_norm: float | None
+    ) -> str:
+        a = self.args
+        iter_s = sum(self._ms) / len(self._ms) / 1000
+        flops = self.flops * self._batch / a.global_batch_size  # the FLOPs scale with the batch
+        tflops = flops / iter_s / self.world_size / 1e12
+        return iteration_line(
+            iteration=iteration,
+            train_iters=a.train_iters,
+            consumed_samples=consumed,
+            elapsed_ms=1000 * iter_s,
+            lr=lr,
+            global_batch_size=self._batch,
+            loss=sum(self._losses) / len(self._losses) if self._losses else float("nan"),
+            loss_scale=loss_scale,
+            grad_norm=grad_norm,
+            skipped=self._skipped,
+            nan=self._nan,
+            tokens_per_s=self._batch * a.seq_length / iter_s,
+            tflops_per_device=tflops,
+            mfu=tflops / self.peak if self.peak else None,
+        )
+
+
+class StepProfiler:
+    """torch.profiler over iterations ``start+1 .. end`` (``--profile-step-start/end``, Megatron's
+    meaning) of each rank in ``--profile-ranks`` (default 0), after a warm-up on iteration ``start``::
+
+        schedule(wait=start - 1, warmup=1, active=end - start)      defaults 1, 3: traced 2 and 3
+
+    counted in iterations, so that the trace's ``ProfilerStep#N`` is iteration N (also after
+    ``--load``), with shapes, memory (allocations and frees: the Memory view's curve) and Python
+    stacks. Rank r's trace lands in ``<tensorboard-dir>/<profile-name>/rank<r>.<time>.pt.trace.json``,
+    the layout TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``),
+    one worker per rank: ``--profile-ranks 0,2`` shows both stages of a TP=2 x PP=2 run.
+    """
+
+    def __init__(self, args: PretrainArgs, rank: int, first_iteration: int = 1) -> None:
+        self.folder = os.path.join(
+            args.tensorboard_dir or os.path.join("runs", "tensorboard"), args.profile_name
+        )
+        self.prof = None
+        if not args.profile_execution or rank not in profile_ranks(args):
+            return
+        self.end = args.profile_step_end
+        start = args.profile_step_start
+        self.traced = (
+            f"iterations {start + 1}-{self.end}" if self.end > start + 1 else f"iteration {self.end}"
+        )
+        if first_iteration > start:  # resumed (--load) past the warm-up
+            print(
+                f"> not profiling rank {rank}: this run starts at iteration {first_iteration}, after the "
+                f"warm-up iteration {start}; set --profile-step-start {first_iteration} or later",
+                flush=True,
+            )
+            return
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(
+            activities=acts,
+            # skip_first=1: the schedule is asked about iteration numbers, and there is no iteration 0
+            schedule=torch.profiler.schedule(
+                skip_first=1, wait=start - 1, warmup=1, active=self.end - start, repeat=1
+            ),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.folder, f"rank{rank}"),
+            record_shapes=True,
+            profile_memory=True,
+            with_stack=True,
+        )
+        # torch counts profiler steps from 0; start the count at this run's first iteration instead
+        self.prof.step_num = first_iteration
+        self.prof.current_action = self.prof.schedule(first_iteration)
+        self.prof.start()
+        print(
+            f"> profiling {self.traced} of rank {rank} (warm-up: iteration {start}) into {self.folder} "
+            f"(TensorBoard PyTorch Profiler)",
+            flush=True,
+        )
+
+    def step(self) -> None:
+        """End of an iteration: the profiler moves to the next one; after ``end``, the trace is written."""
+        if self.prof is None:
+            return
+        self.prof.step()
+        if self.prof.step_num > self.end:
+            self.stop()
+            print(f"> profiler trace of {self.traced} written under {self.folder}", flush=True)
+
+    def stop(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None

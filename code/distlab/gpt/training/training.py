@@ -1,0 +1,214 @@
+"""One training step and one evaluation, for every (tp, pp, dp) layout and every back end.
+
+A step consumes one global batch of ``B = b x dp x m`` samples (micro-batch size ``b``, ``m``
+micro-batches per rank). Data-parallel rank ``r`` takes, for micro-batch ``k``, the samples::
+
+    consumed + k b dp + r b  ...  consumed + k b dp + (r + 1) b - 1
+
+so the union over ranks and micro-batches is the same global batch for every layout. With
+context parallelism the ``cp`` ranks of a data-parallel rank read the same samples and keep
+``T / cp`` tokens of each (``context_parallel.split_sequence``). Each
+micro-batch loss (mean over its ``b x T`` tokens) is back-propagated as ``loss_k x S / m`` (``S``
+the fp16 loss scale, else 1), gradients accumulate in ``.grad``, and ``distributed/gradients.py`` averages
+them over ``dp x cp`` once, after the last backward, so the gradient is the gradient of the
+global batch's mean loss (every cp rank's loss is the mean over its T / cp tokens, equally many)::
+
+    g = (1 / (dp cp)) sum_r (1 / m) sum_k grad(loss_{r,k})
+
+:func:`train_step` is the one step loop (``interfaces.py``); :class:`LocalBackend` is this
+engine's own back end. :func:`forward_backward` runs the micro-batches one after the other
+(pp = 1); ``pipeline_parallel.PipelineForwardBackward`` is the same call through GPipe or 1F1B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from distlab.gpt.context_parallel.ring_attention import ring_of, split_sequence
+from distlab.gpt.data.gpt_dataset import GPTDataset
+from distlab.gpt.distributed.grad_buckets import GradBuckets, default_bucket_size
+from distlab.gpt.distributed.gradients import finalize_gradients
+from distlab.gpt.interfaces import (
+    AutocastFn,
+    BackwardFn,
+    MicroBatch,
+    StepBackend,
+    StepOutcome,
+    StepResult,
+    mean_backward,
+)
+from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
+from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.transformer.model import GPTModel
+
+
+def micro_batches(
+    dataset: GPTDataset,
+    consumed: int,
+    *,
+    micro_batch_size: int,
+    num_micro_batches: int,
+    state: ParallelState,
+    device: torch.device,
+) -> list[MicroBatch]:
+    """This rank's ``m`` micro-batches of the global batch starting at sample ``consumed``:
+    tokens and labels (b, T), or (b, T / cp) with context parallelism."""
+    b, dp = micro_batch_size, state.dp
+    ring = ring_of(state)
+    out = []
+    for k in range(num_micro_batches):
+        start = consumed + k * b * dp + state.dp_rank * b
+        tokens, labels = dataset.batch(range(start, start + b))
+        if ring is not None:
+            tokens, labels = split_sequence(tokens, ring), split_sequence(labels, ring)
+        out.append((tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True)))
+    return out
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    batches: list[MicroBatch],
+    *,
+    backward: BackwardFn = mean_backward,
+    autocast: AutocastFn = contextlib.nullcontext,
+    forward_only: bool = False,
+) -> torch.Tensor:
+    """Forward (+ ``backward(loss_k, k, m)`` unless ``forward_only``) over the step's micro-batches
+    (pp = 1). Returns the mean micro-batch loss, a detached fp32 scalar."""
+    total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
+    m = len(batches)
+    for k, (tokens, labels) in enumerate(batches):
+        with autocast():
+            loss = model(tokens, labels).mean()  # per-token (b, T) -> scalar
+        if not forward_only:
+            backward(loss, k, m)
+        total += loss.detach().float()
+    return total / m
+
+
+def reduce_loss(loss: torch.Tensor, state: ParallelState) -> float:
+    """Mean over the data- and context-parallel group, on every rank of the pipeline (from its
+    last stage)."""
+    if state.dp * state.cp > 1:
+        dist.all_reduce(loss, group=state.dp_cp_group)
+        loss = loss / (state.dp * state.cp)
+    if state.pp > 1:
+        dist.broadcast(loss, src=state.stage_rank(state.pp - 1), group=state.pp_group)
+    return float(loss)
+
+
+class LocalBackend:
+    """This engine's own step: plain backward of ``loss_k x S / m``, then ``distributed/gradients.py``'s
+    finalisation (tied embedding, dp all-reduce, fp16 unscale, norm, clip) and the optimizer.
+
+    The dp all-reduce runs in ``grad_buckets`` (default: one bucket, after backward); with
+    ``overlap_grad_reduce`` each bucket starts during the last micro-batch's backward. The step is
+    skipped after an fp16 overflow (the scaler backs off) or a non-finite norm.
+    """
+
+    def __init__(
+        self,
+        model: GPTModel,
+        optimizer: torch.optim.Optimizer,
+        state: ParallelState,
+        *,
+        clip_grad: float,
+        scaler: DynamicLossScaler | None = None,
+        overlap_grad_reduce: bool = False,
+        bucket_size: int | None = None,  # elements, --ddp-bucket-size (default Megatron's)
+    ) -> None:
+        self.module, self.optimizer, self.state = model, optimizer, state
+        self.clip_grad, self.scaler = clip_grad, scaler
+        size = bucket_size if bucket_size is not None else default_bucket_size(state.dp)
+        self.grad_buckets = GradBuckets(
+            list(model.parameters()), state, bucket_size=size, overlap=overlap_grad_reduce
+        )
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, k: int, m: int) -> None:
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self.grad_buckets.last_micro_batch = k == m - 1  # its hooks start the buckets' all-reduces
+        (loss * (scale / m)).backward()
+
+    def step(self) -> StepOutcome:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        scale = self.scaler.scale if self.scaler is not None else None
+        grads = finalize_gradients(
+            params,
+            self.module.tied_embedding(),
+            self.state,
+            loss_scale=scale,
+            clip_grad=self.clip_grad,
+            buckets=self.grad_buckets,
+        )
+        if self.scaler is not None:
+            self.scaler.update(grads.overflow)
+        if grads.overflow:
+            return StepOutcome(None, skipped=True)
+        if not math.isfinite(grads.norm):  # finite gradients whose norm is not (fp32's sum of
+            # squares overflowed): no update, with or without a scaler, and the step says so
+            return StepOutcome(grads.norm, skipped=True, nonfinite=True)
+        self.optimizer.step()
+        return StepOutcome(grads.norm, skipped=False)
+
+    def close(self) -> None:
+        pass
+
+
+def train_step(
+    backend: StepBackend,
+    batches: list[MicroBatch],
+    *,
+    state: ParallelState,
+    autocast: AutocastFn = contextlib.nullcontext,
+    forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
+) -> StepResult:
+    """The one step loop: zero grads, forward/backward every micro-batch through the back end's
+    hook, the mean loss over the data-parallel ranks, the back end's optimizer step."""
+    backend.zero_grad()
+    loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
+    loss = reduce_loss(loss, state)
+    outcome = backend.step()
+    nan = not math.isfinite(loss) or outcome.nonfinite
+    return StepResult(loss, outcome.grad_norm, skipped=outcome.skipped, nan=nan)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    dataset: GPTDataset,
+    first_sample: int,
+    *,
+    eval_iters: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    num_micro_batches: int,
+    state: ParallelState,
+    device: torch.device,
+    autocast: AutocastFn = contextlib.nullcontext,
+    forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
+) -> float:
+    """Mean loss over ``eval_iters`` global batches from sample ``first_sample`` of ``dataset``."""
+    was_training = model.training
+    model.eval()
+    losses = []
+    for i in range(eval_iters):
+        batches = micro_batches(
+            dataset,
+            first_sample + i * global_batch_size,
+            micro_batch_size=micro_batch_size,
+            num_micro_batches=num_micro_batches,
+            state=state,
+            device=device,
+        )
+        loss = forward_backward_fn(model, batches, autocast=autocast, forward_only=True)
+        losses.append(reduce_loss(loss, state))
+    model.train(was_training)
+    return sum(losses) / max(1, len(losses))
