@@ -100,8 +100,8 @@ def test_buckets_fill_in_reverse_registration_order() -> None:
 
 
 def test_default_bucket_size_is_megatrons() -> None:
-    # Megatron-LM's DistributedDataParallel: max(40000000, 1000000 * dp_group.size()), its dp group
-    # without context parallelism; the engine passes state.dp (training.py)
+    # Megatron-LM's get_model (resolve_ddp_bucket_size): max(40000000, 1000000 * dp_cp size); the
+    # engine passes state.dp * state.cp (training.py)
     assert default_bucket_size(1) == default_bucket_size(40) == 40_000_000
     assert default_bucket_size(64) == 64_000_000
 

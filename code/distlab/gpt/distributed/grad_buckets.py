@@ -4,9 +4,9 @@ The average over the ranks holding the same weights, ``g = (1 / (dp cp)) sum_r g
 ``state.dp_cp_group`` (the dp group when cp = 1), is element-wise, so it may be computed piece by piece.
 The parameters, in the reverse of their registration order (roughly the order backward produces
 their gradients: last layer first), are cut into buckets of at least ``--ddp-bucket-size``
-elements (Megatron's meaning; default ``max(4e7, 1e6 x dp)``, with dp the data-parallel size
-without cp: Megatron-LM's ``DistributedDataParallel`` takes ``dp_group.size()``, its data-parallel
-group ``with_context_parallel=False``, although the buckets are reduced over dp x cp)::
+elements (Megatron's meaning; default ``max(4e7, 1e6 x dp x cp)``: Megatron-LM's ``get_model``
+sizes them by the dp x cp group, ``resolve_ddp_bucket_size`` in ``megatron/training/training.py``,
+before megatron-core's ``DistributedDataParallel`` would fall back to its dp group alone)::
 
     params   wte wpe | layer0 ... layer(L-1) | ln_f            (registration order)
     buckets  [ln_f, layer(L-1) ...] [... layer0 ...] [... wpe, wte]   (bucket 0 reduced first)
@@ -40,11 +40,11 @@ def is_expert(p: nn.Parameter) -> bool:
     return getattr(p, "expert_parallel", False)
 
 
-def default_bucket_size(dp: int) -> int:
-    """Megatron's default ``--ddp-bucket-size`` (elements), ``max(4e7, 1e6 x dp)``: large enough not
-    to be latency-bound. ``dp`` is the data-parallel size without cp, as Megatron-LM's
-    ``distributed_data_parallel.py`` reads it (``dp_group``, not ``dp_cp_group``)."""
-    return max(40_000_000, 1_000_000 * dp)
+def default_bucket_size(dp_cp: int) -> int:
+    """Megatron-LM's default ``--ddp-bucket-size`` (elements), ``max(4e7, 1e6 x dp x cp)``: large
+    enough not to be latency-bound. ``dp_cp`` is the size of the group the buckets are reduced over,
+    as ``resolve_ddp_bucket_size`` in Megatron-LM's ``training.py`` reads it (``pg_collection.dp_cp``)."""
+    return max(40_000_000, 1_000_000 * dp_cp)
 
 
 def assign_buckets(params: Sequence[nn.Parameter], bucket_size: int) -> list[list[nn.Parameter]]:

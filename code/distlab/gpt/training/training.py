@@ -124,7 +124,7 @@ class LocalBackend:
     ) -> None:
         self.module, self.optimizer, self.state = model, optimizer, state
         self.clip_grad, self.scaler = clip_grad, scaler
-        size = bucket_size if bucket_size is not None else default_bucket_size(state.dp)
+        size = bucket_size if bucket_size is not None else default_bucket_size(state.dp * state.cp)
         self.grad_buckets = GradBuckets(
             list(model.parameters()), state, bucket_size=size, overlap=overlap_grad_reduce
         )
