@@ -76,6 +76,22 @@ def _ensure_hosts() -> None:
 FOLDER_MODES = {".": 0o755, "munge": 0o711, "log": 0o755, "ctld": 0o700, "dev": 0o755, "spool": 0o755}
 
 
+def write_atomically(path: Path, text: str, mode: int) -> None:
+    """``path`` holds ``text`` with ``mode``, and no reader ever sees it empty or half written.
+
+    A running cluster's files are read by every ``sbatch`` and daemon: ``./lab cluster start`` on a
+    running cluster (a second ``./lab test``, ``./lab up``) rewrote them in place, and an ``sbatch``
+    reading at that moment found an empty ``slurm.conf`` and failed. An unchanged file is left as it
+    is; a changed one is written beside it and renamed over it (``os.replace`` is atomic)."""
+    if path.exists() and path.read_text() == text:
+        path.chmod(mode)
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.chmod(mode)
+    os.replace(tmp, path)
+
+
 def _prepare_files(p: ClusterPaths) -> None:
     for d in (p.root, p.munge_dir, p.log_dir, p.root / "ctld", p.root / "dev"):
         d.mkdir(parents=True, exist_ok=True)
@@ -96,8 +112,7 @@ def _prepare_files(p: ClusterPaths) -> None:
         (p.gres_conf, gres_conf(p)),
         (p.cgroup_conf, cgroup_conf()),
     ):
-        path.write_text(text)
-        path.chmod(0o644)  # every user's sbatch reads them, whatever root's umask
+        write_atomically(path, text, 0o644)  # every user's sbatch reads them, whatever root's umask
     (p.root / PORT_FILE).write_text(f"{p.port_base}\n")  # what local_paths() reads back
     (p.root / PORT_FILE).chmod(0o644)
     if p == local_paths() and "LAB_CLUSTER_DIR" not in os.environ:
