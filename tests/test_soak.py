@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 
 from distlab import soak
@@ -185,7 +186,15 @@ def test_an_interrupted_soak_stops_its_load_and_its_run(books, tmp_path, sig):
             run = [p for p in children(proc.pid) if p not in load]
             time.sleep(0.05)
         assert len(run) == 1, (run, load)
-        time.sleep(2)  # the run's pytest is starting the notebook's kernel
+        deadline = time.monotonic() + 60  # the run's pytest starts the notebook's kernel
+        while (
+            len(family := psutil.Process(run[0]).children(recursive=True)) < 1 and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        time.sleep(1)
+        family = psutil.Process(run[0]).children(recursive=True)
+        kernels = [p.pid for p in family if os.getsid(p.pid) != os.getsid(run[0])]
+        assert kernels or sig == signal.SIGKILL, [p.cmdline() for p in family]
         proc.send_signal(sig)
         out = proc.communicate(timeout=60)[0]
         if sig == signal.SIGKILL:
@@ -200,6 +209,9 @@ def test_an_interrupted_soak_stops_its_load_and_its_run(books, tmp_path, sig):
         assert not any(alive(p) for p in load), f"busy processes {load} outlived the soak"
         with pytest.raises(ProcessLookupError):
             os.killpg(run[0], 0)  # the run's whole process group (bash/pytest) is stopped too
+        # and the notebook's kernel, which Jupyter starts in a session of its own
+        assert not any(alive(p) for p in kernels), f"kernels {kernels} outlived the soak"
+
         assert f"stopped by {sig.name}" in out and re.search(r"^slow\.ipynb\s+0/0\s", out, re.M), out
     finally:
         if proc.poll() is None:

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+import psutil
+
 #: A busy process: loops on one core, and stops by itself within a second once its parent
 #: (argv[1]) is gone (killed with SIGKILL, which no cleanup sees). Not sooner: the soak stops them
 #: itself, and tests/test_soak.py tells the two apart by looking right at the soak's exit.
@@ -272,22 +274,49 @@ def busy_processes(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def stop_run(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a run and everything in its process group: SIGINT (pytest stops its notebook and
-    shuts the kernel down), then SIGTERM, then SIGKILL (:data:`STOP_GRACE_S`)."""
+    """Stop a run and all it started: SIGINT (pytest stops its notebook and shuts the kernel down),
+    then SIGTERM, then SIGKILL (:data:`STOP_GRACE_S`), each to the run's process group and to every
+    descendant, until none is left. Waiting for ``proc`` alone is not enough: when root soaks, it is
+    the ``lab`` shell, which ends at the first SIGINT while the learner's pytest below it goes on with
+    the next notebook; and Jupyter starts each kernel in a session of its own, out of the group."""
+    family: dict[int, psutil.Process] = {}
     for sig, grace in (
         (signal.SIGINT, STOP_GRACE_S[0]),
         (signal.SIGTERM, STOP_GRACE_S[1]),
-        (signal.SIGKILL, None),
+        (signal.SIGKILL, STOP_GRACE_S[1]),
     ):
+        for p in _descendants(proc.pid):
+            family.setdefault(p.pid, p)
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        for p in list(family.values()):
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                family.pop(p.pid)
+        _, alive = psutil.wait_procs(list(family.values()), timeout=grace)
+        family = {p.pid: p for p in alive}
+        if not family and not _group_alive(proc.pid):
+            break
+    proc.wait()
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def run_once(
