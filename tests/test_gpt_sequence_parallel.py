@@ -90,7 +90,9 @@ def _args(*flags: str):
 def test_sequence_parallel_without_tensor_parallelism_is_turned_off_as_megatron_does() -> None:
     """Megatron's validate_args disables --sequence-parallel when tp is 1 (its Llama 3 example
     passes it with tp 1); the start-up log says so."""
-    args = _args("--sequence-parallel")
+    args = _args(
+        "--sequence-parallel", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"
+    )
     layout = validate_args(args, world_size=2)
     assert not layout.sequence_parallel and layout.tp == 1
     lines = implementation_lines(args, cuda=False)

@@ -24,6 +24,16 @@ def implementation_errors(args: PretrainArgs) -> list[str]:
         )
     if args.manual_gc_interval < 0:
         errors.append(f"--manual-gc-interval {args.manual_gc_interval} must be >= 0 (0: never between steps)")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        errors.append(
+            "--grad-reduce-in-bf16 without --bf16: Megatron reads it in bf16 runs only (an fp32 or fp16 "
+            "run reduces its gradients in their own dtype): add --bf16 or drop it"
+        )
+    if args.grad_reduce_in_bf16 and (args.deepspeed or args.use_torch_fsdp2):
+        errors.append(
+            "--grad-reduce-in-bf16 with --deepspeed / --use-torch-fsdp2: those back ends reduce the "
+            "gradients in their own dtype; it applies to this engine's own data-parallel buckets: drop it"
+        )
     if args.use_pytorch_profiler and not args.profile:
         errors.append("--use-pytorch-profiler was given without --profile: add --profile")
     return errors
@@ -49,7 +59,9 @@ def implementation_lines(args: PretrainArgs, cuda: bool) -> list[str]:
             "here; the local layers run (PyTorch modules: nn.Linear GEMMs, torch's LayerNorm)"
         )
     if args.deprecated_use_mcore_models:
-        lines.append("> --use-mcore-models: deprecated and ignored, as in Megatron (one model implementation)")
+        lines.append(
+            "> --use-mcore-models: deprecated and ignored, as in Megatron (one model implementation)"
+        )
     if args.cross_entropy_loss_fusion:
         ce = (
             "PyTorch's F.cross_entropy (one fused log-softmax and NLL kernel, in fp32)"
@@ -68,8 +80,8 @@ def implementation_lines(args: PretrainArgs, cuda: bool) -> list[str]:
             "attention applies the causal mask itself"
         )
     lines.append(
-        f"> data loading: samples are read in the training process (memory-mapped .bin), "
-        f"--num-workers {args.num_workers} is Megatron's DataLoader workers, none here"
+        f"> data loading: each rank reads its samples in the training process; --num-workers "
+        f"{args.num_workers} (Megatron's DataLoader worker processes) starts none here"
     )
     if args.calculate_per_token_loss:
         lines.append(

@@ -47,7 +47,9 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         raise ValueError("; ".join(missing))
     layout = build_layout(args, world_size)
     if args.train_samples is not None:
-        args.train_iters = train_iters_from_samples(args, layout.global_batch_size, bool(layout.batch_schedule))
+        args.train_iters = train_iters_from_samples(
+            args, layout.global_batch_size, bool(layout.batch_schedule)
+        )
     apply_profile_flags(args)
     layout.validate_model(
         num_layers=args.num_layers,

@@ -33,9 +33,12 @@ def iteration_line(
     tokens_per_s: float,
     tflops_per_device: float,
     mfu: float | None,
+    throughput: float | None = None,
 ) -> str:
-    """Megatron's training log line, then throughput fields: ``distlab.logs.formats.ITERATION``."""
+    """Megatron's training log line, then throughput fields: ``distlab.logs.formats.ITERATION``
+    (``throughput``: Megatron's --log-throughput field, model TFLOP/s per device)."""
     return ITERATION.format(
+        throughput=throughput,
         it=iteration,
         total=train_iters,
         samples=consumed_samples,
@@ -232,6 +235,7 @@ class TrainingLog:
             tokens_per_s=self._batch * a.seq_length / iter_s,
             tflops_per_device=tflops,
             mfu=tflops / self.peak if self.peak else None,
+            throughput=tflops if a.log_throughput else None,
         )
 
 
