@@ -201,3 +201,35 @@ def test_log_throughput_field_and_start_up_lines():
         [*BASE, "--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "3"]
     )
     assert traced.profile_execution  # Megatron's torch.profiler is this engine's --profile-execution
+
+
+def _load_flags(ctx, root: str, fmt: str) -> None:
+    from distlab.gpt.arguments import PretrainArgs
+    from distlab.gpt.checkpointing import checkpointing, dist_checkpointing
+    from distlab.gpt.checkpointing.checkpointing import Snapshot
+
+    module = dist_checkpointing if fmt == "torch_dist" else checkpointing
+    state = ParallelState.build(Layout(1))
+    model = GPTModel(GPTConfig(1, 16, 2, 32, 8, seed=3), state)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).mean().backward()
+    opt.step()  # Adam moments to save
+    shape = dict(
+        num_layers=1, hidden_size=16, num_attention_heads=2, max_position_embeddings=8, ckpt_format=fmt
+    )
+    module.save_checkpoint(
+        PretrainArgs(save=root, **shape), state, Snapshot(model, opt, {"scale": 8.0}, 1, 4)
+    )
+    after_save = torch.rand(3)  # the generator's next numbers as saved
+    for no_optim, no_rng in ((True, True), (False, False)):
+        fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+        args = PretrainArgs(load=root, no_load_optim=no_optim, no_load_rng=no_rng, **shape)
+        iteration, consumed, scaler = module.load_checkpoint(args, state, model, fresh)
+        assert (iteration, consumed) == (1, 4)  # --no-load-optim keeps the iteration and the samples
+        assert (len(fresh.state) == 0) == no_optim and (scaler is None) == no_optim, (no_optim, scaler)
+        assert torch.equal(torch.rand(3), after_save) != no_rng  # the saved stream, unless --no-load-rng
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_no_load_optim_and_no_load_rng(fmt, tmp_path):
+    run_gloo(_load_flags, 1, str(tmp_path / "ckpt"), fmt)
