@@ -2,7 +2,8 @@
 counts and paths made small (test fixture; CI has no Megatron-LM clone).
 
 Source: NVIDIA/Megatron-LM at commit d98e8a64dd,
-    examples/llama/train_llama3_8b_h100_fp8.sh          (LLAMA3_8B_FP8; its mock-data branch, DTYPE=fp8)
+    examples/llama/train_llama3_8b_h100_fp8.sh          (LLAMA3_8B_FP8, DTYPE=fp8: its mock-data branch,
+                                                          and its real-data one, DATA_ARGS_LIST_REAL)
     examples/mixtral/train_mixtral_8x7b_distributed.sh  (MIXTRAL_8X7B; without WANDB_API_KEY)
 
 Each array is a list of the script's elements in order. The scripts expand them unquoted
@@ -93,6 +94,18 @@ LLAMA3_8B_FP8 = {
         "--no-create-attention-mask-in-dataloader",
         "--no-mmap-bin-files",
         "--num-workers 1",
+    ],
+    # the script's other branch, for real data (TOKENIZER_ARG and DATA_ARG given)
+    "DATA_ARGS_LIST_REAL": [
+        "--data-path {data}",
+        "--tokenizer-type HuggingFaceTokenizer",
+        "--tokenizer-model {tokenizer}",
+        "--data-cache-path {tmp}/cache",
+        "--split '99,1,0'",
+        "--no-create-attention-mask-in-dataloader",
+        "--no-mmap-bin-files",
+        "--num-workers 1",
+        "--vocab-size 512",  # was 128256
     ],
     "EVAL_AND_LOGGING_ARGS": [
         "--log-interval", "1",
@@ -190,9 +203,11 @@ MIXTRAL_8X7B = {
 ORDER = {
     "llama": ("MODEL_ARGS", "TRAINING_ARGS", "DTYPE_ARGS", "MODEL_PARALLEL_ARGS", "DATA_ARGS_LIST",
               "EVAL_AND_LOGGING_ARGS"),
+    "llama-real-data": ("MODEL_ARGS", "TRAINING_ARGS", "DTYPE_ARGS", "MODEL_PARALLEL_ARGS", "DATA_ARGS_LIST_REAL",
+                        "EVAL_AND_LOGGING_ARGS"),
     "mixtral": ("MODEL_ARGS", "MOE_ARGS", "DATA_ARGS", "TRAINING_ARGS", "MODEL_PARALLEL_ARGS", "LOGGING_ARGS"),
 }  # fmt: skip
-SCRIPTS = {"llama": LLAMA3_8B_FP8, "mixtral": MIXTRAL_8X7B}
+SCRIPTS = {"llama": LLAMA3_8B_FP8, "llama-real-data": LLAMA3_8B_FP8, "mixtral": MIXTRAL_8X7B}
 
 #: Architecture (issue 33 item 1) and MoE (item 2) flags -> how many values each takes.
 ARCHITECTURE_AND_MOE = {

@@ -13,9 +13,10 @@ import pytest
 
 from distlab import REPO_ROOT
 from distlab.gpt.arguments import build_parser, parse_args, validate_args
+from distlab.gpt.arguments.implementations import implementation_lines
 from distlab.gpt.data.indexed_dataset import IndexedDataset
 from distlab.gpt.data.tokenizer import stdlib_docstrings
-from distlab.gpt.data.tokenizers import train_sentencepiece
+from distlab.gpt.data.tokenizers import save_hf_tokenizer, train_sentencepiece
 from distlab.gpt.tools.local_run import spawn_pretrain
 from distlab.logs.formats import ITERATION, SAVED
 from tests.megatron_example_scripts import ARCHITECTURE_AND_MOE, SCRIPTS, argv, without
@@ -24,12 +25,14 @@ pytestmark = pytest.mark.timeout(300)
 
 KNOWN = set(build_parser()._option_string_actions)
 #: Flags refused by this part of the engine, with what their message says.
+LLAMA_REFUSED = {
+    "--fp8-format": "FP8 GEMMs run in NVIDIA Transformer Engine's layers on Hopper (sm_90)",
+    "--use-distributed-optimizer": "distributed optimizer (ZeRO-1: fp32 main parameters",
+    "--overlap-param-gather": "allows it only with --use-distributed-optimizer",
+}
 REFUSED = {
-    "llama": {
-        "--fp8-format": "FP8 GEMMs run in NVIDIA Transformer Engine's layers on Hopper (sm_90)",
-        "--use-distributed-optimizer": "distributed optimizer (ZeRO-1: fp32 main parameters",
-        "--overlap-param-gather": "allows it only with --use-distributed-optimizer",
-    },
+    "llama": LLAMA_REFUSED,
+    "llama-real-data": LLAMA_REFUSED,
     "mixtral": {
         "--use-distributed-optimizer": "is not built in this engine yet (issue 33, item 4)",
         "--overlap-param-gather": "allows it only with --use-distributed-optimizer",
@@ -39,19 +42,30 @@ REFUSED_ARITY = {"--fp8-format": 1, "--fp8-amax-history-len": 1, "--fp8-amax-com
                  "--fp8-param-gather": 0, "--use-distributed-optimizer": 0, "--overlap-param-gather": 0}  # fmt: skip
 
 
+def _preprocess(corpus, prefix, kind: str, model: str) -> str:
+    command = [sys.executable, str(REPO_ROOT / "code" / "preprocess_data.py"), "--input", str(corpus),
+               "--output-prefix", str(prefix), "--tokenizer-type", kind, "--tokenizer-model", model, "--append-eod"]  # fmt: skip
+    subprocess.run(command, check=True, timeout=120)
+    return f"{prefix}_text_document"
+
+
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    """A sentencepiece model and a dataset it tokenized (for the Mixtral script's Llama2Tokenizer)."""
-    root = tmp_path_factory.mktemp("mixtral")
+    """A sentencepiece model and a dataset it tokenized (the Mixtral script's Llama2Tokenizer), a
+    tokenizer.json folder and its dataset (the Llama 3 script's real-data HuggingFaceTokenizer)."""
+    root = tmp_path_factory.mktemp("scripts")
     texts = list(stdlib_docstrings(max_files=40))
-    model = train_sentencepiece(texts, root / "sp", vocab_size=512)
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    preprocess = [sys.executable, str(REPO_ROOT / "code" / "preprocess_data.py"), "--input", str(corpus),
-                  "--output-prefix", str(root / "sp_data"), "--tokenizer-type", "Llama2Tokenizer",
-                  "--tokenizer-model", model, "--append-eod"]  # fmt: skip
-    subprocess.run(preprocess, check=True, timeout=120)
-    return {"tmp": str(root), "tokenizer": model, "data": str(root / "sp_data_text_document")}
+    model = train_sentencepiece(texts, root / "sp", vocab_size=512)
+    folder = save_hf_tokenizer(texts, root / "hf", vocab_size=512)
+    return {
+        "mixtral": {"tmp": str(root), "tokenizer": model,
+                    "data": _preprocess(corpus, root / "sp_data", "Llama2Tokenizer", model)},
+        "llama-real-data": {"tmp": str(root), "tokenizer": folder,
+                            "data": _preprocess(corpus, root / "hf_data", "HuggingFaceTokenizer", folder)},
+        "llama": {"tmp": str(root)},
+    }  # fmt: skip
 
 
 def script_argv(script: str, paths: dict) -> list[str]:
@@ -61,18 +75,26 @@ def script_argv(script: str, paths: dict) -> list[str]:
     return without(argv(script, **paths), later)
 
 
-@pytest.mark.parametrize("script", ["llama", "mixtral"])
+SCRIPT_IDS = ["llama", "llama-real-data", "mixtral"]
+TOKENIZER = {
+    "llama": "NullTokenizer",
+    "llama-real-data": "HuggingFaceTokenizer",
+    "mixtral": "Llama2Tokenizer",
+}
+
+
+@pytest.mark.parametrize("script", SCRIPT_IDS)
 def test_every_flag_of_the_script_is_parsed(script, paths):
-    words = script_argv(script, paths)
+    words = script_argv(script, paths[script])
     flags = [w for w in words if w.startswith("--")]
     assert not [f for f in flags if f not in KNOWN]
     args = parse_args(words)  # argparse exits on a flag it does not know, naming it
-    assert args.tokenizer_type == {"llama": "NullTokenizer", "mixtral": "Llama2Tokenizer"}[script]
+    assert args.tokenizer_type == TOKENIZER[script]
 
 
-@pytest.mark.parametrize("script", ["llama", "mixtral"])
+@pytest.mark.parametrize("script", SCRIPT_IDS)
 def test_the_refused_flags_are_named_with_why_and_instead(script, paths):
-    args = parse_args(script_argv(script, paths))
+    args = parse_args(script_argv(script, paths[script]))
     with pytest.raises(ValueError) as err:
         validate_args(args, SCRIPTS[script]["world_size"])
     message = str(err.value)
@@ -89,7 +111,7 @@ def test_the_refused_flags_are_named_with_why_and_instead(script, paths):
 def test_llama_script_trains_without_its_refused_flags(paths, tmp_path):
     """The Llama 3 script, less FP8 and the distributed optimizer, on 2 ranks with mock data: the
     samples become iterations, the schedule counts samples, and the log says what runs."""
-    words = without(script_argv("llama", {**paths, "tmp": str(tmp_path)}), REFUSED_ARITY)
+    words = without(script_argv("llama", {"tmp": str(tmp_path)}), REFUSED_ARITY)
     run = spawn_pretrain(words, SCRIPTS["llama"]["world_size"], tmp_path / "run")
     lines = ITERATION.parse(run.log)
     assert [r["it"] for r in lines] == list(range(1, 9)) and lines[0]["total"] == 8  # 32 samples / 4
@@ -107,6 +129,15 @@ def test_llama_script_trains_without_its_refused_flags(paths, tmp_path):
     assert len(run.last["val_losses"]) == 2 and run.last["final_val_loss"] > 0
 
 
+def test_llama_real_data_branch_is_accepted_without_its_refused_flags(paths):
+    """Its HuggingFaceTokenizer folder and dataset pass every check; --vocab-size is Megatron's
+    NullTokenizer's only, and the start-up log says so."""
+    args = parse_args(without(script_argv("llama-real-data", paths["llama-real-data"]), REFUSED_ARITY))
+    layout = validate_args(args, SCRIPTS["llama"]["world_size"])
+    assert layout.dp == 2 and args.train_iters == 8
+    assert "--vocab-size 512: read by NullTokenizer only" in "\n".join(implementation_lines(args, cuda=False))
+
+
 def test_mixtral_data_is_the_llama2_tokenizers(paths):
-    docs = IndexedDataset(paths["data"])
+    docs = IndexedDataset(paths["mixtral"]["data"])
     assert docs.sizes.min() >= 2 and int(docs[0][-1]) == 2  # each document ends with </s> (eod)
