@@ -197,6 +197,8 @@ def test_log_throughput_field_and_start_up_lines():
                  "--num-workers 2", "--tiktoken-pattern v2: read by TikTokenizer only",
                  "no CUDA here, nothing is captured"):  # fmt: skip
         assert flag in said, flag
+    local, _ = check([*BASE, "--transformer-impl", "local"])
+    assert "> --transformer-impl local: the local layers run" in implementation_lines(local, cuda=False)[0]
     traced, _ = check(
         [*BASE, "--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "3"]
     )

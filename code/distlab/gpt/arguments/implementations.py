@@ -53,11 +53,15 @@ def implementation_lines(args: PretrainArgs, cuda: bool) -> list[str]:
             "> --sequence-parallel with --tensor-model-parallel-size 1: off, as Megatron turns it off "
             "(there are no tensor-parallel ranks to split the sequence over)"
         )
-    if args.transformer_impl == "transformer_engine":
-        lines.append(
-            "> --transformer-impl transformer_engine (Megatron's default): there is no Transformer Engine "
-            "here; the local layers run (PyTorch modules: nn.Linear GEMMs, torch's LayerNorm)"
-        )
+    impl = (
+        "transformer_engine (Megatron's default): no Transformer Engine here, so"
+        if args.transformer_impl == "transformer_engine"
+        else "local:"
+    )
+    lines.append(
+        f"> --transformer-impl {impl} the local layers run (PyTorch modules); each rank reads its samples "
+        f"in the training process (--num-workers {args.num_workers}: Megatron's DataLoader workers, none here)"
+    )
     if args.deprecated_use_mcore_models:
         lines.append(
             "> --use-mcore-models: deprecated and ignored, as in Megatron (one model implementation)"
@@ -79,10 +83,6 @@ def implementation_lines(args: PretrainArgs, cuda: bool) -> list[str]:
             "> --no-create-attention-mask-in-dataloader: no mask is ever built by the data loader here; "
             "attention applies the causal mask itself"
         )
-    lines.append(
-        f"> data loading: each rank reads its samples in the training process; --num-workers "
-        f"{args.num_workers} (Megatron's DataLoader worker processes) starts none here"
-    )
     if args.calculate_per_token_loss:
         lines.append(
             "> --calculate-per-token-loss: every sample has --seq-length tokens and none is masked "
