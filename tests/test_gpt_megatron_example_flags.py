@@ -141,3 +141,15 @@ def test_llama_real_data_branch_is_accepted_without_its_refused_flags(paths):
 def test_mixtral_data_is_the_llama2_tokenizers(paths):
     docs = IndexedDataset(paths["mixtral"]["data"])
     assert docs.sizes.min() >= 2 and int(docs[0][-1]) == 2  # each document ends with </s> (eod)
+
+
+def test_the_entry_script_refuses_the_llama_script_before_compute(tmp_path):
+    """As a learner runs it: pretrain_gpt.py exits 2 naming FP8 and the distributed optimizer,
+    before a process group, a tensor or a dataset exists."""
+    words = script_argv("llama", {"tmp": str(tmp_path)})
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "code" / "pretrain_gpt.py"), *words],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.startswith("pretrain_gpt.py: error: invalid arguments: ")
+    for flag, why in LLAMA_REFUSED.items():
+        assert flag in out.stderr and why in out.stderr
+    assert out.stdout == "" and not (tmp_path / "cache").exists()  # nothing started, nothing written
