@@ -2,9 +2,10 @@
 
     NullTokenizer              ids are the text's integers ("5 7 9" -> [5, 7, 9]); ``--vocab-size``
                                ids, the last one (``V - 1``) the end of document (Megatron's default)
-    SentencePieceTokenizer,    a sentencepiece ``.model`` (``--tokenizer-model``); the model's own
-    GPTSentencePieceTokenizer, ``</s>`` ends a document (Megatron's SentencePieceTokenizer appends
-    Llama2Tokenizer            its own <CLS>, <SEP>, <EOD>, <MASK> pieces after the model's; not here)
+    SentencePieceTokenizer,    a sentencepiece ``.model`` (``--tokenizer-model``): ids are the model's
+    GPTSentencePieceTokenizer, encoding, its ``</s>`` (eos) ends a document, as megatron-core's
+    Llama2Tokenizer            sentencepiece library does by default (its ``legacy`` mode, which
+                               appended <CLS>, <SEP>, <EOD>, <MASK> pieces, is not built here)
     HuggingFaceTokenizer       ``tokenizer.json`` of the ``tokenizers`` library (a folder holding it,
                                as Megatron's AutoTokenizer.from_pretrained takes a folder); its
                                end-of-sequence token from ``tokenizer_config.json``'s ``eos_token``,
