@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import os
 
-from distlab.gpt.arguments.data_groups import TOKENIZERS
 from distlab.gpt.arguments.groups import PretrainArgs
-
-SENTENCEPIECE = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+from distlab.gpt.data.tokenizers import SENTENCEPIECE_KINDS, TOKENIZERS
 
 
 def data_errors(args: PretrainArgs) -> list[str]:
@@ -61,7 +59,7 @@ def tokenizer_errors(args: PretrainArgs) -> list[str]:
             ]
         return []
     model = args.tokenizer_model
-    if kind in SENTENCEPIECE and (model is None or not os.path.isfile(model)):
+    if kind in SENTENCEPIECE_KINDS and (model is None or not os.path.isfile(model)):
         return [
             f"--tokenizer-type {kind} needs --tokenizer-model FILE, a sentencepiece model (got {model}): "
             f"train one with code/train_tokenizer.py --tokenizer-type SentencePieceTokenizer"

@@ -7,15 +7,6 @@ from dataclasses import dataclass
 
 from distlab.gpt.arguments.fields import _f
 
-#: The tokenizers this engine builds (``data/tokenizers.py``); Megatron's other kinds are refused.
-TOKENIZERS = (
-    "GPT2BPETokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "Llama2Tokenizer",
-    "HuggingFaceTokenizer",
-    "NullTokenizer",
-)
 #: Megatron-LM's ``--tokenizer-type`` choices (TokenizerConfig.tokenizer_type).
 MEGATRON_TOKENIZERS = (
     "BertWordPieceLowerCase",

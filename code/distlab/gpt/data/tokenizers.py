@@ -28,6 +28,8 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer, TokenizersLibrary
 
 SENTENCEPIECE_KINDS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+#: The ``--tokenizer-type`` kinds built here (Megatron's others are refused before compute).
+TOKENIZERS = ("GPT2BPETokenizer", *SENTENCEPIECE_KINDS, "HuggingFaceTokenizer", "NullTokenizer")
 _HF_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
