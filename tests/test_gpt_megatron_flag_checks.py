@@ -235,3 +235,15 @@ def _load_flags(ctx, root: str, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_no_load_optim_and_no_load_rng(fmt, tmp_path):
     run_gloo(_load_flags, 1, str(tmp_path / "ckpt"), fmt)
+
+
+def test_exit_duration_in_mins_stops_and_saves(tmp_path):
+    """--exit-duration-in-mins: every rank stops at the same iteration once the time is up, and
+    the run saves there (with --save), as Megatron's training loop does."""
+    from distlab.gpt.tools.local_run import spawn_pretrain
+
+    argv = [*BASE, "--train-iters", "50", "--exit-duration-in-mins", "1e-6", "--save", str(tmp_path / "ckpt")]
+    run = spawn_pretrain(argv, 2, tmp_path / "run")
+    assert [h["iteration"] for h in run.histories] == [1, 1]  # 50 asked, stopped after the first
+    assert "exiting program after" in run.log and "at iteration 1" in run.log
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
