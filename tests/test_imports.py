@@ -131,6 +131,7 @@ LAYERS = (
     "native",
     "memory",
     "build",
+    "planning",
     "pretrain",
     "tools",
 )

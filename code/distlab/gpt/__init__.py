@@ -62,6 +62,9 @@ never up (``tests/test_imports.py`` checks it)::
                        and cp_measure (one against the other) ~ training/theoretical_memory_usage.py
     build.py           everything a run holds, built once from the arguments and the layout
                        ~ training/training.py's setup_model_and_optimizer
+    planning/          dry_run (one rank at full size on the meta device, fake process group),
+                       collectives (what a step issues, per group), hardware, step_model, planner
+                       ~ torchtitan's dry runs; the Ultra-Scale Playbook's step-time estimates
     pretrain.py        the training loop of pretrain_gpt.py ~ training/training.py's pretrain
     tools/             local_run (spawned runs for tests and notebooks), diagrams (images/gpt/)
                        ~ Megatron-LM's tools/

@@ -170,7 +170,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     if device.type == "cpu":
         _warm_up_kernels(args, precision)
     peak_meter = PeakMeter(device).start()
-    model = _build_model(args, state, vocab, device)
+    model = build_model(args, state, vocab, device)
     mesh = parallelize_model(args, state, model, device)
     optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()  # on the shards with FSDP2
     timeline = None
@@ -188,7 +188,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         optimizer=optimizer,
         scaler=scaler,
         lr_schedule=LRSchedule(args),
-        forward_backward=_build_forward_backward(args, state, device, timeline),
+        forward_backward=build_forward_backward(args, state, device, timeline),
         timeline=timeline,
         tlog=log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device),
         tensorboard=log.TensorBoardLog(args, enabled=state.rank == ctx.world_size - 1),
@@ -329,7 +329,7 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
     )
 
 
-def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
+def build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
     """This rank's stage and tensor-parallel shard of the GPT (whole with DTensor TP: split later)."""
     # dropout; the weights come from init_parameters. Megatron's two streams (tensor_parallel/rng_tracker.py):
     # the default one alike on the tp ranks, the model-parallel one (+ 2718 + tp_rank) for what
@@ -358,10 +358,15 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
     return GPTModel(cfg, None if dtensor else state).to(device)
 
 
-def _build_forward_backward(
-    args: PretrainArgs, state: ParallelState, device: torch.device, timeline: PipelineTimeline | None
+def build_forward_backward(
+    args: PretrainArgs,
+    state: ParallelState,
+    device: torch.device,
+    timeline: PipelineTimeline | None,
+    dtype: torch.dtype = torch.float32,
 ) -> Callable[..., torch.Tensor]:
-    """pp = 1: a loop over the micro-batches; pp > 1: GPipe, 1F1B or interleaved 1F1B (v > 1)."""
+    """pp = 1: a loop over the micro-batches; pp > 1: GPipe, 1F1B or interleaved 1F1B (v > 1),
+    sending ``dtype`` between stages (fp32: the residual stream under autocast; a dry run's half model: half)."""
     if state.pp == 1:
         return forward_backward
     sp = state.tp if state.layout.sequence_parallel else 1  # SP: T / tp per rank
@@ -370,7 +375,7 @@ def _build_forward_backward(
         args.seq_length // (state.cp * sp),
         args.hidden_size,
     )  # (b, T/cp/sp, H) between stages
-    spec = P2PSpec(shape, torch.float32, device, timeout_s=60 * args.distributed_timeout_minutes)
+    spec = P2PSpec(shape, dtype, device, timeout_s=60 * args.distributed_timeout_minutes)
     return PipelineForwardBackward(
         state, spec, schedule=args.pipeline_schedule, timeline=timeline, chunks=state.vp
     )

@@ -33,6 +33,7 @@ from distlab.gpt.memory.meters import memory_report, out_of_memory_message
 from distlab.gpt.moe.moe_layer import take_stats
 from distlab.gpt.native import torch_compile
 from distlab.gpt.pipeline_parallel.timeline import bubble_summary, save_timeline
+from distlab.gpt.planning.dry_run import check_dry_run_rank, dry_run
 from distlab.gpt.training import housekeeping, log
 from distlab.gpt.training.fault_handling import ExitSignal, is_timeout, missing_ranks
 from distlab.gpt.training.training import evaluate
@@ -47,9 +48,15 @@ def pretrain(argv: list[str] | None = None) -> dict:
     """Run pretraining from a command line; return the history (losses per iteration, ...)."""
     args = parse_args(argv)
     try:
-        layout = validate_args(args, discover().world_size)
+        if args.dry_run_world_size is not None:  # one rank of N, on the meta device: no process to launch
+            check_dry_run_rank(args.dry_run_world_size, args.dry_run_rank)
+        layout = validate_args(args, args.dry_run_world_size or discover().world_size)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
+    if args.dry_run_world_size is not None:
+        found = dry_run(args, layout, args.dry_run_rank)
+        print(*found.report(), sep="\n", flush=True)
+        return {"dry_run": found}
     # before anything slow: SIGTERM's and SIGUSR1's default action would end a rank still starting
     exit_signal = ExitSignal(args.exit_signal).install() if args.exit_signal_handler else None
     ctx = init_distributed(args.distributed_backend, timeout_s=60 * args.distributed_timeout_minutes)

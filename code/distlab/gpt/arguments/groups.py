@@ -106,6 +106,13 @@ class DistributedArgs:
         "elements per gradient bucket (buckets fill in the reverse of the parameters' order); default "
         "Megatron's max(40000000, 1000000 x dp)",
     )
+    dry_run_world_size: int = _f(
+        None,
+        "this course's (torchtitan's dry run; not Megatron's): check the layout for a world of N ranks, build "
+        "--dry-run-rank's stage and shard on the meta device under a fake process group, print its model "
+        "states, activations and one step's collectives, and exit (distlab/gpt/planning/dry_run.py)",
+    )
+    dry_run_rank: int = _f(0, "with --dry-run-world-size: the rank to build (0 to N - 1)")
     distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
     distributed_timeout_minutes: float = _f(5.0, "collectives fail after waiting this long")
     local_rank: int = _f(None, "set by the legacy torch.distributed.launch; ignored (LOCAL_RANK wins)")

@@ -172,7 +172,8 @@ class _LinearWithSequenceGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group):  # x (b, T/p, H_in), weight (H_out_p, H_in)
         ctx.group, ctx.has_bias, ctx.x_dtype = group, bias is not None, x.dtype
-        if torch.is_autocast_enabled(x.device.type):  # gather and keep the half copy the GEMM reads
+        # gather and keep the half copy the GEMM reads (the meta device of a dry run has no autocast)
+        if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x, weight)
         return F.linear(_gather_sequence(x, group), weight, bias)  # (b, T, H_out_p), autocast applies

@@ -368,6 +368,8 @@ def init_parameters(model: nn.Module, cfg: GPTConfig, state: ParallelState | Non
     """
     tp, tp_rank = (state.tp, state.tp_rank) if state is not None else (1, 0)
     for name, p in model.named_parameters():
+        if p.is_meta:  # a dry run's model (planning/dry_run.py): shapes only, nothing to draw
+            continue
         key = getattr(p, "init_name", name)
         leaf = key.rsplit(".", 2)
         if key.endswith(".bias"):

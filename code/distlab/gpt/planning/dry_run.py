@@ -1,0 +1,201 @@
+"""A dry run at full size: one rank of an N-rank run, on the meta device, under a fake process group.
+
+``pretrain_gpt.py ... --dry-run-world-size N --dry-run-rank R`` validates the arguments for a
+world of N ranks (every layout check of a real run), joins PyTorch's fake process group
+(``torch.testing._internal.distributed.fake_pg``: rank R of N, collectives that return at once,
+as torchtitan's dry runs use it), builds the groups and rank R's stage and shard of the model on
+the meta device (shapes, no storage: a 70B model costs what a tiny one does) and runs the step's
+forward/backward, gradient reduction and norm on meta tensors, recording every collective
+(``collectives.py``). Nothing is allocated or computed; what is printed is exact for this rank:
+
+    coordinates      (dp, tp, pp, cp, ep) of rank R in Megatron's tp-cp-dp-pp order
+    parameters       counted on the built shard
+    model states     bytes per parameter as Megatron-LM's distributed-optimizer table gives them,
+                     d the data-parallel size (dp x cp, the group the optimizer shards over):
+
+                         parameters / main grads     plain DDP    --use-distributed-optimizer
+                         fp32 / fp32                   16          8 + 8/d
+                         fp16 / fp32                   20          4 + 16/d
+                         bf16 / fp32                   18          6 + 12/d
+
+    activations      the engine's estimator (``memory/memory_estimate.py``), first stage's peak
+    predicted peak   the estimator's max(forward/backward, step) with the states above
+    collectives      of one step, per group: operation, group size, bytes per call, count
+
+With --bf16 or --fp16 the meta model is cast to the half dtype, as Megatron-LM keeps its weights
+on the GPU (activations and pipeline messages travel in it; the engine itself computes under
+autocast from fp32 weights). The gradient collectives are this engine's (the dp all-reduce of fp32
+buckets, as Megatron's DDP without the distributed optimizer); the distributed optimizer replaces
+that all-reduce by a reduce-scatter of the same bytes and an all-gather of the half parameters
+(``step_model.py`` counts it so). Left out: the loss's mean (one fp32 scalar all-reduced over dp x
+cp and broadcast over pp), whose value a dry run does not have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.build import build_forward_backward, build_model
+from distlab.gpt.data.tokenizers import TokenizerSpec
+from distlab.gpt.distributed.grad_buckets import GradBuckets, default_bucket_size
+from distlab.gpt.distributed.gradients import grad_norm, reduce_gradients
+from distlab.gpt.interfaces import MicroBatch
+from distlab.gpt.layout import Layout
+from distlab.gpt.memory.memory_estimate import MemoryEstimate, MemorySetup, activation_bytes
+from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.planning.collectives import Collective, record_collectives, summarize
+from distlab.gpt.tensor_parallel.layers import pad_vocab_size
+from distlab.gpt.training.training import forward_backward
+
+GiB = 2**30
+#: Bytes per parameter (parameters, gradients, optimizer) by precision, without and with the
+#: distributed optimizer over d ranks (Megatron-LM's docs/source/api-guide/dist_optimizer table).
+STATE_BYTES = {
+    "fp32": ((4, 4, 8), lambda d: (4, 4, 8 / d)),
+    "fp16": ((2, 2 + 4, 12), lambda d: (2, 2, (4 + 12) / d)),
+    "bf16": ((2, 4, 12), lambda d: (2, 4, 12 / d)),
+}
+
+
+def precision_of(args: PretrainArgs) -> str:
+    return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+
+
+def model_states(n: int, precision: str, d: int, distributed: bool) -> tuple[float, float, float]:
+    """Bytes of (parameters, gradients, optimizer state) of ``n`` parameters (:data:`STATE_BYTES`)."""
+    plain, sharded = STATE_BYTES[precision]
+    per = sharded(d) if distributed else plain
+    return tuple(n * b for b in per)
+
+
+@dataclass
+class DryRun:
+    """What a dry run found for one rank (see the module docstring)."""
+
+    rank: int
+    layout: Layout
+    coordinates: dict[str, int]
+    parameters: int
+    precision: str
+    activations: float  # bytes, the estimator's
+    num_micro_batches: int
+    collectives: list[Collective]
+
+    def states(self, distributed: bool) -> tuple[float, float, float]:
+        d = self.layout.dp * self.layout.cp
+        return model_states(self.parameters, self.precision, d, distributed)
+
+    def peak(self, distributed: bool) -> float:
+        estimate = MemoryEstimate(*self.states(distributed), 0.0, self.activations)
+        return estimate.peak(accumulating=self.num_micro_batches > 1)
+
+    def report(self) -> list[str]:
+        """The lines ``pretrain_gpt.py --dry-run-world-size`` prints, memory in GiB."""
+        c, lay = self.coordinates, self.layout
+        lines = [
+            f"> dry run: rank {self.rank} of {lay.world_size} (fake process group, model on the meta device)",
+            "> coordinates: " + ", ".join(f"{k} {v}" for k, v in c.items())
+            + f" (of dp {lay.dp}, tp {lay.tp}, pp {lay.pp}, cp {lay.cp}, ep {lay.ep})",
+            f"> parameters on this rank: {self.parameters:,} ({self.precision})",
+            "> model states (GiB)            parameters  gradients  optimizer  total   peak (+ activations)",
+        ]  # fmt: skip
+        for distributed, name in (
+            (False, "without distributed optimizer"),
+            (True, "with distributed optimizer"),
+        ):
+            p, g, o = self.states(distributed)
+            lines.append(
+                f">   {name:29s} {p / GiB:10.2f} {g / GiB:10.2f} {o / GiB:10.2f} "
+                f"{(p + g + o) / GiB:7.2f} {self.peak(distributed) / GiB:8.2f}"
+            )
+        lines.append(
+            f"> activations (estimator, {self.num_micro_batches} micro-batches): {self.activations / GiB:.2f} GiB"
+        )
+        lines.append(
+            "> collectives of one step    group  size  operation        GiB per call   count   GiB in all"
+        )
+        for call, count in summarize(self.collectives):
+            lines.append(
+                f">                            {call.group:9s} {call.size:4d}  {call.op:15s} {call.nbytes / GiB:12.6f} "
+                f"{count:7d} {call.nbytes * count / GiB:12.4f}"
+            )
+        return lines
+
+
+def check_dry_run_rank(world_size: int, rank: int) -> None:
+    """--dry-run-world-size N needs N >= 1 and 0 <= --dry-run-rank < N."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"--dry-run-rank {rank} is not a rank of --dry-run-world-size {world_size}: give a rank "
+            f"from 0 to {world_size - 1} (and a world size of at least 1)"
+        )
+
+
+def meta_batches(layout: Layout, seq_length: int, device: torch.device) -> list[MicroBatch]:
+    """This rank's m micro-batches of token ids and labels, (b, T / cp) each, on ``device``."""
+    shape = (layout.micro_batch_size, seq_length // layout.cp)
+    return [
+        (torch.zeros(shape, dtype=torch.long, device=device),) * 2 for _ in range(layout.num_micro_batches)
+    ]
+
+
+def step_collectives(
+    args: PretrainArgs, state: ParallelState, model, batches: list[MicroBatch]
+) -> list[Collective]:
+    """Forward/backward of ``batches``, then the gradients' reduction (dp buckets of Megatron's
+    default size, tied embedding, sequence-parallel weights) and norm, recording the collectives.
+    The same on meta tensors under a fake group (a dry run) and on real ones (its test)."""
+    device = batches[0][0].device
+    dtype = next(model.parameters()).dtype
+    run = build_forward_backward(args, state, device, None, dtype) if state.pp > 1 else forward_backward
+    params = list(model.parameters())
+    size = args.ddp_bucket_size or default_bucket_size(state.dp * state.cp)
+    # Megatron's DDP reduces its fp32 main grads (--grad-reduce-in-bf16: in bf16), whatever the weights' dtype
+    reduce_dtype = torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32
+    buckets = GradBuckets(params, state, bucket_size=size, overlap=False, reduce_dtype=reduce_dtype)
+    with record_collectives(state) as calls:
+        run(model, batches)
+        reduce_gradients(params, model.tied_embedding(), state, buckets)
+        grad_norm(params, state)
+    return calls
+
+
+def dry_run(args: PretrainArgs, layout: Layout, rank: int) -> DryRun:
+    """Rank ``rank`` of ``layout`` on the meta device under a fake process group (initialised here,
+    destroyed after): see the module docstring. ``args`` were validated for ``layout.world_size``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    meta = torch.device("meta")
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        state = ParallelState.build(layout)
+        vocab = pad_vocab_size(
+            TokenizerSpec.from_args(args).build().vocab_size, args.make_vocab_size_divisible_by, state.tp
+        )
+        precision = precision_of(args)
+        with torch.device(meta):
+            model = build_model(args, state, vocab, meta)
+        if precision != "fp32":
+            model = model.to(torch.float16 if precision == "fp16" else torch.bfloat16)
+        calls = step_collectives(args, state, model, meta_batches(layout, args.seq_length, meta))
+        setup = MemorySetup.from_run(args, layout, vocab)
+        coords = {d: state.layout.coord(rank, d) for d in ("dp", "tp", "pp", "cp")}
+        coords["ep"] = state.ep_rank if layout.ep > 1 else 0
+        return DryRun(
+            rank=rank,
+            layout=layout,
+            coordinates=coords,
+            parameters=sum(p.numel() for p in model.parameters()),
+            precision=precision,
+            activations=activation_bytes(setup),
+            num_micro_batches=layout.num_micro_batches,
+            collectives=calls,
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
