@@ -1,0 +1,90 @@
+"""A machine as the step-time model sees it: GPUs per node, FLOP/s, memory, two links.
+
+One small JSON file per machine in ``hardware/`` (``h100_sxm_node``, ``a100_node``, from syllabus
+section 13); the local cluster's figures are measured (:func:`measure_local`), as notebook 02
+measures a collective's bus bandwidth (``distlab.comm.bench``) and notebook 04 the GEMM peak
+(``training/flops.measure_gemm_tflops``)::
+
+    peak_tflops          dense bf16 (GPUs) or measured fp32 GEMM (CPU) TFLOP/s of one device
+    achieved_fraction    of the peak that the run's kernels reach (large GEMMs: ~0.8 on H100)
+    flash_attention      whether attention skips the masked half of a causal mask (GPU kernels)
+    intra_node, inter_node   bus bandwidth (GB/s, 1e9 B) per device and latency (us) of one
+                         collective over a group inside one node, or spanning nodes
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FILES = Path(__file__).parent / "hardware"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective's cost over this link: ``latency + factor(p) x bytes / bandwidth``."""
+
+    bandwidth: float  # bytes/s of bus bandwidth per device
+    latency: float  # s per collective (alpha)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    gpus_per_node: int
+    peak_flops: float  # FLOP/s of one device
+    achieved_fraction: float
+    memory_bytes: float
+    intra_node: Link
+    inter_node: Link
+    flash_attention: bool = True  # fused attention skips causal attention's masked half (GPUs)
+    source: str = ""
+
+    @property
+    def achieved_flops(self) -> float:
+        return self.peak_flops * self.achieved_fraction
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Hardware:
+        def link(x: dict) -> Link:
+            return Link(x["bandwidth_gbps"] * 1e9, x["latency_us"] * 1e-6)
+
+        return cls(
+            name=d["name"],
+            gpus_per_node=d["gpus_per_node"],
+            peak_flops=d["peak_tflops"] * 1e12,
+            achieved_fraction=d["achieved_fraction"],
+            memory_bytes=d["memory_gib"] * 2**30,
+            intra_node=link(d["intra_node"]),
+            inter_node=link(d["inter_node"]),
+            flash_attention=d.get("flash_attention", True),
+            source=d.get("source", ""),
+        )
+
+    def to_dict(self) -> dict:
+        def link(x: Link) -> dict:
+            return {"bandwidth_gbps": x.bandwidth / 1e9, "latency_us": x.latency * 1e6}
+
+        return {
+            "name": self.name,
+            "gpus_per_node": self.gpus_per_node,
+            "peak_tflops": self.peak_flops / 1e12,
+            "achieved_fraction": self.achieved_fraction,
+            "memory_gib": self.memory_bytes / 2**30,
+            "intra_node": link(self.intra_node),
+            "inter_node": link(self.inter_node),
+            "flash_attention": self.flash_attention,
+            "source": self.source,
+        }
+
+
+def load(name: str | Path) -> Hardware:
+    """A machine by file name in ``hardware/`` (``"h100_sxm_node"``) or by path."""
+    path = Path(name)
+    if not path.suffix:
+        path = FILES / f"{name}.json"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in FILES.glob("*.json")))
+        raise FileNotFoundError(f"no hardware file {path}: give one of {known} or a JSON path")
+    return Hardware.from_dict(json.loads(path.read_text()))

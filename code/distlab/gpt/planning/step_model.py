@@ -1,0 +1,202 @@
+"""Predict one training step's time from FLOPs, bandwidths and the pipeline bubble.
+
+Per device, with W devices, m micro-batches per rank, p pipeline stages, v chunks per stage::
+
+    compute        F / W / (peak x achieved fraction)          F: the step's FLOPs (training/flops.py)
+    collective     alpha + factor(n) x bytes / bandwidth       bytes: the whole buffer (nccl-tests' size)
+                   factor: all-reduce 2(n-1)/n, all-gather, reduce-scatter and all-to-all (n-1)/n,
+                   send/recv 1 (``distlab.comm.bench.BUS_FACTOR``); alpha and bandwidth those of
+                   the link the group crosses: inside one node, or between nodes if its ranks
+                   lie on more than one (Megatron's tp-cp-dp-pp rank order, ``layout.py``)
+    micro-batch    t_mb = compute / m + tp + pp + ep + exposed cp   (per micro-batch, this stage)
+    pipeline       t_mb (m + (p - 1) / v): the bubble is (p - 1) / (v m + p - 1) of it   [convention:
+                   the fraction of the whole pipelined time, not of the ideal compute]
+    step           pipeline + exposed data-parallel communication
+
+Which communication is hidden: tensor-parallel (and expert all-to-all) collectives sit between
+GEMMs and are counted in full; context-parallel ring passes overlap their layer's compute
+(exposed: what exceeds it); pipeline sends are counted in full (2 v per micro-batch); the
+gradient reduction (an all-reduce, or the distributed optimizer's reduce-scatter plus all-gather of
+the parameters) is hidden up to one micro-batch's backward (2/3 of t_mb) with
+``--overlap-grad-reduce``, else exposed; FSDP's gathers and reduce-scatters (once per micro-batch)
+overlap the whole compute. Per layer and micro-batch, activations ``S = b (s / cp) H`` x bytes::
+
+    tp, no SP    4 all-reduces of S (2 forward, 2 backward)
+    tp, SP       6 all-gathers + 4 reduce-scatters of S (backward gathers the input again for the
+                 weight gradient, as this engine and Megatron do); full recomputation adds the
+                 forward's again
+    cp           3 (cp - 1) sends of K and V blocks, 2 b (s / cp) H_kv x bytes each (forward K, V;
+                 backward K, V and their gradients)
+    ep           4 all-to-alls of k S (dispatch and combine, forward and backward)
+
+Left out: the embedding and the loss head's collectives, the optimizer's own time, data loading.
+
+On GPUs fused attention skips the masked half of causal attention (``flash_attention`` in the
+hardware file): the compute time counts Q K^T and the scores times V at half, and
+:attr:`StepPrediction.mfu_causal` is Megatron-LM's 2025 convention (attention counted at half);
+:attr:`StepPrediction.mfu` this engine's (in full, ``training/flops.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from distlab.comm.bench import BUS_FACTOR
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.layout import Layout
+from distlab.gpt.planning.hardware import Hardware, Link
+from distlab.gpt.training.flops import model_flops_per_iteration, recomputed_layers
+
+#: Bus factor of each operation over n ranks (send and recv move their bytes once).
+FACTOR = {**BUS_FACTOR, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}
+
+
+def collective_seconds(op: str, n: int, nbytes: float, link: Link) -> float:
+    """alpha + factor(n) x bytes / bandwidth; 0 for a group of one rank."""
+    if n <= 1:
+        return 0.0
+    return link.latency + FACTOR[op](n) * nbytes / link.bandwidth
+
+
+def bubble_fraction(pp: int, m: int, v: int = 1) -> float:
+    """(p - 1) / (v m + p - 1): the idle share of the whole pipelined time (1F1B: v = 1)."""
+    return (pp - 1) / (v * m + pp - 1)
+
+
+def group_link(groups: list[list[int]], hw: Hardware) -> Link:
+    """The link a group's collectives cross: inter-node if any group's ranks span two nodes."""
+    spans = any(len({r // hw.gpus_per_node for r in ranks}) > 1 for ranks in groups)
+    return hw.inter_node if spans else hw.intra_node
+
+
+def attention_flops(args: PretrainArgs) -> float:
+    """Q K^T and the scores times V of one step, counted in full: ``B s (3 l + r) 4 s H``
+    (the ``4 s n d`` of one block's forward per token, ``n d = H``)."""
+    B, s, h = args.global_batch_size, args.seq_length, args.hidden_size
+    return float(B * s) * (3 * args.num_layers + recomputed_layers(args)) * 4 * s * h
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One kind of communication of a step: ``count`` calls of ``op`` over ``n`` ranks."""
+
+    dim: str
+    op: str
+    n: int
+    nbytes: float
+    count: int
+    link: Link
+
+    @property
+    def seconds(self) -> float:
+        return self.count * collective_seconds(self.op, self.n, self.nbytes, self.link)
+
+
+@dataclass
+class StepPrediction:
+    """The step's time and where it goes (seconds per step, per device)."""
+
+    compute: float
+    bubble: float
+    exposed: dict[str, float]  # per dimension: tp, cp, pp, ep, dp
+    step: float
+    bubble_fraction: float
+    mfu: float
+    mfu_causal: float
+    tokens_per_s_per_device: float
+    costs: list[Cost] = field(default_factory=list)
+
+
+def predict_step(
+    args: PretrainArgs,
+    layout: Layout,
+    hw: Hardware,
+    vocab_size: int,
+    parameters_per_rank: float,
+    *,
+    distributed_optimizer: bool = False,
+) -> StepPrediction:
+    """Predict one step of ``args`` on ``layout`` over ``hw`` (see the module docstring);
+    ``parameters_per_rank``: the largest stage's parameters on one rank (its gradients are reduced)."""
+    W, m, v, pp = layout.world_size, layout.num_micro_batches, layout.vp, layout.pp
+    act = 2 if (args.bf16 or args.fp16) else 4
+    F = model_flops_per_iteration(args, vocab_size)
+    executed = F - (attention_flops(args) / 2 if hw.flash_attention else 0.0)
+    compute = executed / W / hw.achieved_flops  # per device, per step
+    link = {d: group_link(layout.groups(d), hw) for d in ("tp", "cp", "dp", "pp")}
+    layers = args.num_layers / pp  # this stage's blocks
+    S = layout.micro_batch_size * (args.seq_length / layout.cp) * args.hidden_size * act
+    full_recompute = recomputed_layers(args) > 0
+    costs = []
+    if layout.tp > 1:
+        per_layer = (
+            [("all_gather", 6 + 2 * full_recompute), ("reduce_scatter", 4 + 2 * full_recompute)]
+            if layout.sequence_parallel
+            else [("all_reduce", 4 + 2 * full_recompute)]
+        )
+        costs += [Cost("tp", op, layout.tp, S, round(k * layers), link["tp"]) for op, k in per_layer]
+    if layout.cp > 1:
+        costs.append(Cost("cp", "send", 2, 2 * S, round(3 * (layout.cp - 1) * layers), link["cp"]))
+    if pp > 1:
+        p2p = S / (layout.tp if layout.sequence_parallel else 1)
+        costs.append(Cost("pp", "send", 2, p2p, 2 * v, link["pp"]))
+    if args.num_experts is not None and layout.ep > 1:
+        ep_link = group_link(layout.ep_groups(), hw)
+        costs.append(
+            Cost("ep", "all_to_all", layout.ep, args.moe_router_topk * S, round(4 * layers), ep_link)
+        )
+    per_mb = {d: sum(c.seconds for c in costs if c.dim == d) for d in ("tp", "cp", "pp", "ep")}
+    compute_mb = compute / m
+    per_mb["cp"] = max(0.0, per_mb["cp"] - compute_mb)  # ring passes overlap their layers' compute
+    t_mb = compute_mb + sum(per_mb.values())
+    pipeline = t_mb * (m + (pp - 1) / v)
+    dp_costs = _data_parallel_costs(args, layout, hw, parameters_per_rank, distributed_optimizer, m)
+    dp_time = sum(c.seconds for c in dp_costs)
+    if args.use_torch_fsdp2:
+        hidden = compute
+    else:
+        hidden = 2 / 3 * t_mb if args.overlap_grad_reduce else 0.0
+    exposed_dp = max(0.0, dp_time - hidden)
+    step = pipeline + exposed_dp
+    tokens = args.global_batch_size * args.seq_length
+    F_causal = F - attention_flops(args) / 2
+    return StepPrediction(
+        compute=compute,
+        bubble=pipeline - t_mb * m,
+        exposed={**{d: t * m for d, t in per_mb.items()}, "dp": exposed_dp},
+        step=step,
+        bubble_fraction=bubble_fraction(pp, m, v),
+        mfu=F / (W * hw.peak_flops * step),
+        mfu_causal=F_causal / (W * hw.peak_flops * step),
+        tokens_per_s_per_device=tokens / step / W,
+        costs=costs + dp_costs,
+    )
+
+
+def _data_parallel_costs(
+    args: PretrainArgs, layout: Layout, hw: Hardware, n: float, distributed: bool, m: int
+) -> list[Cost]:
+    """The gradients' reduction over dp x cp: Megatron's buckets (max(4e7, 1e6 d) elements) of fp32
+    gradients (bf16 with --grad-reduce-in-bf16) all-reduced, or reduce-scattered and the half
+    parameters all-gathered (distributed optimizer); FSDP: per micro-batch two all-gathers of the
+    half parameters (forward, backward) and one reduce-scatter of fp32 gradients."""
+    d = layout.dp * layout.cp
+    if d == 1:
+        return []
+    link = group_link(layout.groups("dp", "cp"), hw)
+    grad_bytes = 2 if args.grad_reduce_in_bf16 else 4
+    param_bytes = 2 if (args.bf16 or args.fp16) else 4
+    if args.use_torch_fsdp2:
+        return [
+            Cost("dp", "all_gather", d, n * param_bytes, 2 * m, link),
+            Cost("dp", "reduce_scatter", d, n * grad_bytes, m, link),
+        ]
+    buckets = max(1, math.ceil(n / max(40_000_000, 1_000_000 * d)))
+    per = n / buckets
+    if not distributed:
+        return [Cost("dp", "all_reduce", d, per * grad_bytes, buckets, link)]
+    return [
+        Cost("dp", "reduce_scatter", d, per * grad_bytes, buckets, link),
+        Cost("dp", "all_gather", d, per * param_bytes, buckets, link),
+    ]

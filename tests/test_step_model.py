@@ -1,0 +1,97 @@
+"""The step-time model's formulas against values computed by hand (planning/step_model.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distlab.gpt.arguments import parse_args
+from distlab.gpt.layout import Layout
+from distlab.gpt.planning.hardware import Hardware, Link, load
+from distlab.gpt.planning.step_model import bubble_fraction, collective_seconds, group_link, predict_step
+
+LINK = Link(bandwidth=100e9, latency=1e-5)
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --lr 1e-3"
+)
+
+
+def _hw(gpus_per_node: int = 8) -> Hardware:
+    slow = Link(bandwidth=10e9, latency=1e-4)
+    return Hardware("test", gpus_per_node, 1e12, 1.0, 2**34, LINK, slow, flash_attention=False)
+
+
+def test_each_collective_costs_alpha_plus_its_ring_factor_times_bytes_over_bandwidth() -> None:
+    assert collective_seconds("all_reduce", 4, 1e9, LINK) == pytest.approx(1e-5 + 1.5 * 1e9 / 100e9)
+    assert collective_seconds("all_gather", 4, 1e9, LINK) == pytest.approx(1e-5 + 0.75 * 0.01)
+    assert collective_seconds("reduce_scatter", 8, 1e9, LINK) == pytest.approx(1e-5 + 7 / 8 * 0.01)
+    assert collective_seconds("all_to_all", 2, 1e9, LINK) == pytest.approx(1e-5 + 0.5 * 0.01)
+    assert collective_seconds("send", 2, 1e9, LINK) == pytest.approx(1e-5 + 0.01)
+    assert collective_seconds("all_reduce", 1, 1e9, LINK) == 0.0
+
+
+def test_the_bubble_is_a_share_of_the_whole_pipelined_time() -> None:
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction(1, 8) == 0.0
+
+
+def test_a_group_spanning_two_nodes_uses_the_inter_node_link() -> None:
+    hw = _hw(gpus_per_node=8)
+    layout = Layout(16, tp=8, pp=2)  # tp groups [0..7] [8..15]; pp groups [0, 8] ...
+    assert group_link(layout.groups("tp"), hw) is hw.intra_node
+    assert group_link(layout.groups("pp"), hw) is hw.inter_node
+    assert group_link(Layout(16, tp=4).groups("dp"), hw) is hw.inter_node  # dp [0, 4, 8, 12]
+
+
+def test_tensor_parallel_step_by_hand() -> None:
+    """tp 2, one micro-batch of 1 x 32 tokens: compute F / 2 / 1e12 plus 4 all-reduces per layer
+    of S = b s H x 4 bytes, each 1e-5 + 2 (1/2) S / 100e9."""
+    args = parse_args(f"{TINY} --global-batch-size 1 --vocab-size 128".split())
+    layout = Layout(2, tp=2, global_batch_size=1)
+    F = 24 * 32 * 64**2 * (1 + 32 / (6 * 64)) * (3 * 2) + 6 * 32 * 64 * 128
+    S = 32 * 64 * 4
+    expected = F / 2 / 1e12 + 2 * 4 * (1e-5 + S / 100e9)
+    p = predict_step(args, layout, _hw(), 128, parameters_per_rank=1000)
+    assert p.step == pytest.approx(expected)
+    assert p.compute == pytest.approx(F / 2 / 1e12)
+    assert p.mfu == pytest.approx(F / (2 * 1e12 * expected))
+
+
+def test_pipeline_and_data_parallel_step_by_hand() -> None:
+    """pp 2 x dp 2 over nodes of 2: m = 4 micro-batches, t_mb = compute / 4 + 2 sends of b s H x 4
+    bytes over the inter-node link (pp ranks 0 and 2 lie on two nodes); pipeline t_mb (4 + 1);
+    dp (ranks 0, 1: one node) all-reduces n x 4 bytes once, exposed without overlap."""
+    args = parse_args(f"{TINY} --global-batch-size 8 --vocab-size 128".split())
+    layout = Layout(4, pp=2, global_batch_size=8)
+    n = 50_000
+    F = 24 * 8 * 32 * 64**2 * (1 + 32 / (6 * 64)) * (3 * 2) + 6 * 8 * 32 * 64 * 128
+    compute = F / 4 / 1e12
+    t_mb = compute / 4 + 2 * (1e-4 + 32 * 64 * 4 / 10e9)
+    dp = 1e-5 + 2 * (1 / 2) * n * 4 / 100e9
+    p = predict_step(args, layout, _hw(gpus_per_node=2), 128, parameters_per_rank=n)
+    assert p.step == pytest.approx(t_mb * 5 + dp)
+    assert p.bubble == pytest.approx(t_mb)
+    assert p.exposed["dp"] == pytest.approx(dp)
+    overlapped = parse_args(f"{TINY} --global-batch-size 8 --vocab-size 128 --overlap-grad-reduce".split())
+    assert predict_step(overlapped, layout, _hw(2), 128, n).exposed["dp"] == 0.0  # under 2/3 t_mb
+
+
+def test_the_distributed_optimizer_reduce_scatters_and_gathers_instead_of_all_reducing() -> None:
+    args = parse_args(f"{TINY} --global-batch-size 4 --vocab-size 128 --bf16".split())
+    layout = Layout(4, global_batch_size=4)
+    n = 1_000_000
+    plain = predict_step(args, layout, _hw(), 128, n)
+    sharded = predict_step(args, layout, _hw(), 128, n, distributed_optimizer=True)
+    assert [(c.op, c.nbytes) for c in plain.costs] == [("all_reduce", 4 * n)]
+    assert [(c.op, c.nbytes) for c in sharded.costs] == [("reduce_scatter", 4 * n), ("all_gather", 2 * n)]
+    # 2 (3/4) 4n against (3/4) (4n + 2n), plus one alpha more
+    assert sharded.exposed["dp"] - plain.exposed["dp"] == pytest.approx(1e-5 + 0.75 * (6 * n - 8 * n) / 100e9)
+
+
+def test_the_hardware_files_read_back() -> None:
+    h100 = load("h100_sxm_node")
+    assert h100.gpus_per_node == 8 and h100.peak_flops == 989e12
+    assert h100.intra_node.bandwidth == 450e9 and h100.inter_node.bandwidth == 50e9
+    assert Hardware.from_dict(h100.to_dict()) == h100
+    with pytest.raises(FileNotFoundError, match="a100_node"):
+        load("no_such_machine")
