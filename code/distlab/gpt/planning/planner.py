@@ -1,0 +1,129 @@
+"""Plan a run: the layouts of a model on a cluster that fit in memory, ranked by predicted step time.
+
+Candidates, in the Ultra-Scale Playbook's order of concerns: tp a power of two up to the GPUs of
+one node (dividing the heads), with sequence parallelism; pp dividing the layers, with v chunks
+per stage (interleaved 1F1B) where the layers allow; cp dividing the sequence into 2 cp chunks;
+dp what is left, dividing the global batch by b x dp. Each is checked by the layout's own rules
+(``layout.py``) and the estimator (``memory/memory_estimate.py``: the first stage's activations
+under its schedule) with Megatron's model-state bytes (``dry_run.STATE_BYTES``), and timed by
+``step_model.predict_step``. A layout that does not fit names the state that overflows (the
+largest one of its peak) and by how much the peak exceeds the device's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.layout import Layout
+from distlab.gpt.memory.memory_estimate import MemoryEstimate, MemorySetup, activation_bytes, stage_parameters
+from distlab.gpt.planning.dry_run import GiB, model_states, precision_of
+from distlab.gpt.planning.hardware import Hardware
+from distlab.gpt.planning.step_model import StepPrediction, predict_step
+from distlab.gpt.tensor_parallel.layers import pad_vocab_size
+
+
+@dataclass
+class Candidate:
+    """One layout, its memory (bytes by state, peak) and, if it fits, its predicted step."""
+
+    layout: Layout
+    states: dict[str, float]  # parameters, gradients, optimizer, activations
+    peak: float
+    budget: float
+    prediction: StepPrediction | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.budget
+
+    def name(self) -> str:
+        lay = self.layout
+        v = f" v {lay.vp}" if lay.vp > 1 else ""
+        return f"tp {lay.tp} pp {lay.pp}{v} cp {lay.cp} dp {lay.dp} b {lay.micro_batch_size} m {lay.num_micro_batches}"
+
+    def why(self) -> str:
+        """Bubble, exposed communication and memory headroom (fits) or what overflows (does not)."""
+        if not self.fits:
+            state, size = max(self.states.items(), key=lambda kv: kv[1])
+            return (
+                f"does not fit: peak {self.peak / GiB:.1f} GiB exceeds {self.budget / GiB:.0f} GiB by "
+                f"{(self.peak - self.budget) / GiB:.1f} GiB; largest state: {state} {size / GiB:.1f} GiB"
+            )
+        p = self.prediction
+        comm = {k: v for k, v in p.exposed.items() if v > 0}
+        exposed = ", ".join(f"{k} {v:.2f} s" for k, v in comm.items()) or "none"
+        return (
+            f"bubble {100 * p.bubble_fraction:.0f}% ({p.bubble:.2f} s), exposed communication {exposed}, "
+            f"memory headroom {(self.budget - self.peak) / GiB:.1f} GiB of {self.budget / GiB:.0f}"
+        )
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(limit.bit_length()) if 2**k <= limit]
+
+
+def candidate_layouts(args: PretrainArgs, world: int, hw: Hardware, micro_batch_sizes=(1, 2)) -> list[Layout]:
+    """Every layout of ``world`` ranks the sizes above allow (the global batch is args')."""
+    L, heads, s, B = args.num_layers, args.num_attention_heads, args.seq_length, args.global_batch_size
+    out = []
+    tps = [t for t in _powers_of_two(hw.gpus_per_node) if heads % t == 0]
+    pps = [p for p in range(1, L + 1) if L % p == 0 and world % p == 0]
+    cps = [c for c in _powers_of_two(world) if s % (2 * c) == 0 or c == 1]
+    for tp, pp, cp, b in itertools.product(tps, pps, cps, micro_batch_sizes):
+        if world % (tp * pp * cp):
+            continue
+        dp = world // (tp * pp * cp)
+        if B % (b * dp):
+            continue
+        for v in [1, 2, 4] if pp > 1 else [1]:
+            if L % (pp * v) or (v > 1 and B // (b * dp) % pp):
+                continue  # interleaving needs m a multiple of pp (Megatron)
+            try:
+                layout = Layout(world, tp=tp, pp=pp, cp=cp, micro_batch_size=b, global_batch_size=B, vp=v,
+                                sequence_parallel=tp > 1)  # fmt: skip
+            except ValueError:
+                continue
+            out.append(layout)
+    return out
+
+
+def evaluate(
+    args: PretrainArgs, layout: Layout, hw: Hardware, distributed_optimizer: bool = True
+) -> Candidate:
+    """Memory of the first stage's rank (estimator + Megatron's state bytes) and, if it fits, its step."""
+    vocab = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, layout.tp)
+    run = dataclasses.replace(args, micro_batch_size=layout.micro_batch_size)
+    setup = MemorySetup.from_run(run, layout, vocab)
+    n = stage_parameters(setup)
+    p, g, o = model_states(n, precision_of(args), layout.dp * layout.cp, distributed_optimizer)
+    states = {"parameters": p, "gradients": g, "optimizer state": o, "activations": activation_bytes(setup)}
+    peak = MemoryEstimate(p, g, o, 0.0, states["activations"]).peak(accumulating=layout.num_micro_batches > 1)
+    found = Candidate(layout, states, peak, hw.memory_bytes)
+    if found.fits:
+        found.prediction = predict_step(
+            run, layout, hw, vocab, n, distributed_optimizer=distributed_optimizer
+        )
+    return found
+
+
+def plan(args: PretrainArgs, world: int, hw: Hardware, distributed_optimizer: bool = True) -> list[Candidate]:
+    """Every candidate: those that fit first, fastest first; then the others, smallest overflow first."""
+    found = [evaluate(args, lay, hw, distributed_optimizer) for lay in candidate_layouts(args, world, hw)]
+    fit = sorted((c for c in found if c.fits), key=lambda c: c.prediction.step)
+    over = sorted((c for c in found if not c.fits), key=lambda c: c.peak)
+    return fit + over
+
+
+def report(candidates: list[Candidate], top: int = 5) -> list[str]:
+    """The best ``top`` layouts with why, then the nearest layouts that do not fit."""
+    fit = [c for c in candidates if c.fits]
+    lines = [f"> {len(fit)} of {len(candidates)} layouts fit; the best {min(top, len(fit))}:"]
+    for c in fit[:top]:
+        p = c.prediction
+        lines.append(f">   {c.name():38s} step {p.step:8.2f} s  MFU {100 * p.mfu:5.1f}%  {c.why()}")
+    for c in [c for c in candidates if not c.fits][:3]:
+        lines.append(f">   {c.name():38s} {c.why()}")
+    return lines
