@@ -29,9 +29,9 @@ initialiser makes it equal to the first stage's E (same name, same seed), and ``
 sums the two gradients, so they stay equal.
 
 Mixture of experts (``moe/moe_layer.py``, ``moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
-becomes a router and E experts, split over the ep ranks of the layout's expert groups; the last
-stage attaches ``coeff sum_layers l_aux`` to the per-token loss for backward (the returned values
-stay the lm loss).
+becomes a router and E experts, split over the ep ranks of the layout's expert groups (and over
+tp, etp = tp); each layer attaches its ``coeff l_aux`` to its output for backward (the returned
+values stay the lm loss).
 
 Context parallelism (``context_parallel/ring_attention.py``): with cp > 1 each rank holds T / cp tokens of
 every sample (two of 2 cp chunks, their global positions from ``context_parallel.positions``)
@@ -67,7 +67,7 @@ from torch import nn
 
 from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_attention, ring_of
 from distlab.gpt.layout import context_dropout_error, raise_errors, sequence_parallel_error
-from distlab.gpt.moe.moe_layer import MoEConfig, MoELayer, attach_aux_loss
+from distlab.gpt.moe.moe_layer import MoEConfig, MoELayer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -119,7 +119,7 @@ class GPTConfig:
     seed: int = 1234
     layernorm_epsilon: float = 1e-5
     moe: MoEConfig | None = None
-    """None: dense MLPs; else every block's MLP is a mixture of experts (tp = pp = 1)."""
+    """None: dense MLPs; else every block's MLP is a mixture of experts."""
     sequence_parallel: bool = False
     """``--sequence-parallel``: activations outside the tp GEMMs split along T (needs tp > 1)."""
 
@@ -221,9 +221,7 @@ class Block(nn.Module):
         if cfg.moe is None:
             self.mlp = MLP(cfg, group)
         else:  # the experts of this rank's place in its expert-parallel group
-            ep, ep_rank = (state.ep, state.ep_rank) if state is not None else (1, 0)
-            ep_group = state.ep_group if ep > 1 else None
-            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, ep_group=ep_group, ep=ep, ep_rank=ep_rank)
+            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, state)
         self.drop = nn.Dropout(cfg.hidden_dropout)
         self.dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
         #: The residual stream is this rank's T / tp positions (SP, this engine's or DTensor's,
@@ -344,10 +342,7 @@ class GPTModel(nn.Module):
         )
         if labels is None:
             return gather_from_tensor_parallel(logits, self.tp_group)  # (b, T, V)
-        loss = vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
-        if self.cfg.moe is not None:
-            loss = attach_aux_loss(loss, self, self.cfg.moe.aux_loss_coeff)
-        return loss
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
 
 
 def _run_blocks(blocks: list[Block], h: torch.Tensor) -> torch.Tensor:
