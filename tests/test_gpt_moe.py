@@ -241,14 +241,29 @@ def _equivalence(ctx) -> None:
         assert ref["losses"][-1] < ref["losses"][0]  # it learns: the comparison is not vacuous
 
 
+def _tensor_parallel_experts_memory(ctx) -> None:
+    """tp 2 (sequence parallel) x ep 2, dp 2: the estimator's parameters per rank equal the model's,
+    each of the E / ep experts split over tp (its fc2 bias whole)."""
+    moe = MoEConfig(num_experts=8, topk=2)
+    cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=V, max_position_embeddings=T,
+                    moe=moe, sequence_parallel=True)  # fmt: skip
+    model = GPTModel(cfg, ParallelState.build(Layout(4, tp=2, ep=2, sequence_parallel=True)))
+    setup = MemorySetup(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=T, vocab_size=V,
+                        micro_batch_size=1, tp=2, dp=2, num_experts=8, ep=2, sequence_parallel=True)  # fmt: skip
+    assert sum(p.numel() for p in model.parameters()) == stage_parameters(setup)
+    assert model.layers["0"].mlp.experts[str(4 * (ctx.rank // 2))].fc1.weight.shape == (32, 16)  # (F / tp, H)
+
+
 def _expert_parallel(ctx) -> None:
     _round_trip(ctx)
     _equivalence(ctx)
+    _tensor_parallel_experts_memory(ctx)
 
 
 def test_expert_parallel_over_gloo() -> None:
     """One spawn of 4 gloo ranks (spawning costs seconds): the dispatch/combine round trip with
-    uneven splits, then the MoE GPT with ep = 2 and ep = 4 against one process."""
+    uneven splits, then the MoE GPT with ep = 2 and ep = 4 against one process, then the
+    parameters per rank of experts split over tp against the memory estimate."""
     run_gloo(_expert_parallel, 4, timeout_s=90)
 
 
