@@ -21,11 +21,13 @@ from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, stage_parameters
 from distlab.gpt.moe.expert_parallel import combine, dispatch
+from distlab.gpt.moe.experts import ExpertMLP
 from distlab.gpt.moe.moe_layer import MoEConfig, moe_layers, set_aux_loss_scale, take_stats
 from distlab.gpt.moe.router import load_balancing_loss, route
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pretrain import log_moe
+from distlab.gpt.tensor_parallel.layers import shard
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.logs.formats import MOE, tokens_per_expert
@@ -116,6 +118,26 @@ def test_aux_loss_joins_the_backward_not_the_value(scale: float) -> None:
     model.zero_grad()
     (scale * plain).backward()  # without the aux loss the router's gradient differs: the term is not vacuous
     assert (with_aux - router.grad).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_expert_shards_sum_to_the_whole_expert(gated: bool) -> None:
+    """etp = 2: fc1 cut by output rows (gate and up halves alike when gated, stride 2), fc2 by input
+    columns, fc2's bias on shard 0 only; the two partial outputs add up to the whole expert's."""
+    torch.manual_seed(0)
+    H, F = 8, 12
+    whole = ExpertMLP(H, F, gated=gated)
+    for p in whole.parameters():
+        p.data.normal_(std=0.2)  # outputs of order 1, so that 1e-6 is fp32 round-off
+    shards = [ExpertMLP(H, F, etp=2, etp_rank=r, gated=gated) for r in range(2)]
+    for r, part in enumerate(shards):
+        for p, full in zip(part.parameters(), whole.parameters(), strict=True):
+            dim = getattr(p, "partition_dim", None)
+            p.data.copy_(full.data if dim is None else shard(full.data, dim, 2, r, p.partition_stride))
+    assert shards[0].fc1.weight.shape == ((2 if gated else 1) * F // 2, H)
+    x = torch.randn(5, H)
+    torch.testing.assert_close(shards[0](x) + shards[1](x), whole(x), rtol=1e-6, atol=1e-6)
+    assert getattr(shards[0].fc2.bias, "sequence_parallel", False)  # its gradient summed over tp
 
 
 def test_capacity_drops_the_lowest_probabilities() -> None:
