@@ -9,6 +9,7 @@ and with one process; losses, gradient norms, the validation loss and the [moe] 
     tp 2 (sequence parallel) x ep 2 (dp 2), alltoall: each pair sent to both etp shards
     tp 2 (sequence parallel) x pp 2 x ep 2 (dp 2), allgather: 8 ranks, the aux losses of both stages
     cp 2 x ep 2 (dp 2), allgather: an ep group is the two cp ranks of one sample
+    interleaved pp 2 (v 2) x ep 2 (dp 2), allgather: layers 0, 2 on stage 0 and 1, 3 on stage 1
 
 One spawn of 8 gloo ranks runs them all (the reference on rank 0 alone).
 """
@@ -51,6 +52,10 @@ RUNS = {
         "--expert-model-parallel-size 2",
     ),
     "cp2-ep2": (4, "--context-parallel-size 2 --expert-model-parallel-size 2"),
+    "pp2-vp2-ep2": (
+        4,
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --expert-model-parallel-size 2",
+    ),
 }
 
 

@@ -245,7 +245,11 @@ def take_stats(model: nn.Module, state: ParallelState | None = None) -> list[dic
     E = layers[0][1].cfg.num_experts
     if state is not None:
         sp = state.tp if state.layout.sequence_parallel else 1
-        device = next(model.parameters()).device if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+        device = (
+            next(model.parameters()).device
+            if dist.is_initialized() and dist.get_backend() == "nccl"
+            else "cpu"
+        )
         table = torch.cat([table, index], dim=1).to(device)
         for group, size in ((state.dp_cp_group, state.dp * state.cp), (state.tp_group, sp)):
             if size > 1:
