@@ -16,7 +16,8 @@ so the aux loss of a layer on any pipeline stage joins that stage's backward, mi
 micro-batch. Under sequence and context parallelism each rank holds ``l_j``, its share of the
 sequence's l_aux (router.py): the router's gradient is summed over tp (sequence-parallel
 parameters) and averaged over dp x cp like every gradient, so each cp rank's share is scaled by
-cp to give ``sum_j grad l_j`` after the average. The log reports ``l_aux`` per layer without the
+cp to give ``sum_j grad l_j`` after the average (Megatron's ``forward_step`` sets the same
+``loss scale x cp / m``). The log reports ``l_aux`` per layer without the
 coefficient (Megatron's ``load_balancing_loss``).
 
 With tp > 1 megatron-core runs MoE only with sequence parallelism (``MoELayer.forward`` refuses
