@@ -11,6 +11,8 @@ and with one process; losses, gradient norms, the validation loss and the [moe] 
     cp 2 x ep 2 (dp 2), allgather: an ep group is the two cp ranks of one sample
     interleaved pp 2 (v 2) x ep 2 (dp 2), allgather: layers 0, 2 on stage 0 and 1, 3 on stage 1
 
+and an ep 2 checkpoint (one file per ep rank) resumes the ep 2 run exactly.
+
 One spawn of 8 gloo ranks runs them all (the reference on rank 0 alone).
 """
 
@@ -56,7 +58,12 @@ RUNS = {
         4,
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --expert-model-parallel-size 2",
     ),
+    # a checkpoint of experts split over ep ranks: 2 iterations saved, then the third resumed from it
+    # (the LR schedule of 3 iterations in both)
+    "ep2-save": (2, "--expert-model-parallel-size 2 --train-iters 2 --lr-decay-iters 3 --save {ckpt}"),
+    "ep2-resume": (2, "--expert-model-parallel-size 2 --lr-decay-iters 3 --load {ckpt}"),
 }
+RESUMED = ("ep2-save", "ep2-resume")
 
 
 def _worker(rank: int, plan: list, out: str) -> None:
@@ -71,8 +78,10 @@ def _worker(rank: int, plan: list, out: str) -> None:
 def runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("gpt_moe")
     data = prepare_data(base / "data", vocab_size=512, max_files=40).argv()
+    ckpt = str(base / "ckpt")
     plan = [
-        (name, world, [*MODEL, *data, *extra.split()], free_port()) for name, (world, extra) in RUNS.items()
+        (name, world, [*MODEL, *data, *extra.format(ckpt=ckpt).split()], free_port())
+        for name, (world, extra) in RUNS.items()
     ]
     spawn_ranks(_worker, (plan, str(base)), max(world for world, _ in RUNS.values()))
     return base
@@ -82,7 +91,7 @@ def _history(folder: Path, name: str, rank: int) -> dict:
     return json.loads((folder / f"{name}.rank{rank}.json").read_text())
 
 
-@pytest.mark.parametrize("name", [name for name in RUNS if name != "reference"])
+@pytest.mark.parametrize("name", [name for name in RUNS if name not in ("reference", *RESUMED)])
 def test_moe_layout_matches_single_process(runs: Path, name: str) -> None:
     world = RUNS[name][0]
     ref, last = _history(runs, "reference", 0), _history(runs, name, world - 1)
@@ -99,3 +108,15 @@ def test_moe_layout_matches_single_process(runs: Path, name: str) -> None:
     assert f"{dispatcher} token dispatcher" in first and "a loop over the local experts" in first
     if "grouped-gemm" in RUNS[name][1]:
         assert "--moe-grouped-gemm: no grouped GEMM here" in first
+
+
+def test_expert_parallel_checkpoint_resumes_the_same_run(runs: Path) -> None:
+    """ep 2 with --save: one file per ep rank, Megatron's names (mp_rank_<tp>_<ep>); resumed with
+    --load, the third iteration equals the uninterrupted ep 2 run's (losses, norm, [moe] counts)."""
+    folder = runs / "ckpt" / "iter_0000002"
+    assert sorted(p.name for p in folder.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    whole, resumed = _history(runs, "ep2-allgather", 1), _history(runs, "ep2-resume", 1)
+    assert len(resumed["losses"]) == 1  # iteration 3 only
+    for key in ("losses", "grad_norms"):
+        assert resumed[key][0] == pytest.approx(whole[key][2], rel=RTOL, abs=RTOL), key
+    assert resumed["moe"][0]["layers"] == whole["moe"][2]["layers"]

@@ -5,6 +5,11 @@ Layout under ``--save`` (one file per tensor/pipeline rank; data-parallel rank 0
     latest_checkpointed_iteration.txt        "20"
     iter_0000020/mp_rank_00/model_optim_rng.pt          pp = 1: mp_rank_<tp>
     iter_0000020/mp_rank_00_001/model_optim_rng.pt      pp > 1: mp_rank_<tp>_<pp>
+    iter_0000020/mp_rank_00_001_001/model_optim_rng.pt  ep > 1: ..._<ep rank> (Megatron's suffix)
+
+With expert parallelism the ep ranks of the first ep block of each dp x cp group write (each holds
+other experts, the dense weights alike: Megatron's expert-data-parallel rank 0), and every rank
+reads the file of its (tp, pp, ep) place.
 
 Atomic and durable (:func:`commit`, with ``durable.py``): a job killed, or a node losing power,
 at any moment of a save leaves the tracker naming a complete checkpoint::
@@ -61,6 +66,7 @@ MUST_MATCH = (
     "max_position_embeddings",
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
 )
 
 
@@ -74,7 +80,17 @@ def rank_file(folder: str, state: ParallelState) -> str:
         if state.pp == 1
         else f"mp_rank_{state.tp_rank:02d}_{state.pp_rank:03d}"
     )
+    if state.ep > 1:
+        sub += f"_{state.ep_rank:03d}"
     return os.path.join(folder, sub, "model_optim_rng.pt")
+
+
+def writes_checkpoint(state: ParallelState) -> bool:
+    """Data-parallel rank 0 of cp rank 0 (cp ranks hold the same weights); with ep > 1 the first ep
+    ranks of the dp x cp group, which hold every expert once (expert-data-parallel rank 0)."""
+    if state.ep == 1:
+        return state.dp_rank == 0 and state.cp_rank == 0
+    return state.dp_rank * state.cp + state.cp_rank < state.ep
 
 
 def rng_state() -> dict:
@@ -118,7 +134,7 @@ def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -
     if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
     dist.barrier()
-    if state.dp_rank == 0 and state.cp_rank == 0:  # cp ranks hold the same weights
+    if writes_checkpoint(state):
         path = rank_file(tmp, state)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         ckpt = {
