@@ -76,9 +76,9 @@ def from_hf(opts: argparse.Namespace) -> str:
             f"--make-vocab-size-divisible-by {opts.make_vocab_size_divisible_by} x tp {tp}: give the "
             f"tokenizer (--vocab-file, --merge-file)"
         )
+    ffn = shape["ffn_hidden_size"] or 4 * shape["hidden_size"]
     errors = [f"{what} {size} is not divisible by --target-tensor-parallel-size {tp}"
-              for what, size in (("heads", shape["num_attention_heads"]), ("ffn", shape["ffn_hidden_size"]))
-              if size % tp]  # fmt: skip
+              for what, size in (("heads", shape["num_attention_heads"]), ("ffn", ffn)) if size % tp]  # fmt: skip
     if shape["num_layers"] % pp:
         errors.append(
             f"{shape['num_layers']} layers are not divisible by --target-pipeline-parallel-size {pp}"
@@ -95,7 +95,9 @@ def from_hf(opts: argparse.Namespace) -> str:
     weights = hf_checkpoint.read_weights(hf)
     weights["transformer.wte.weight"] = hf_checkpoint.fit_vocabulary(weights["transformer.wte.weight"], vocab)
     folder = course_checkpoint.write_release(opts.save, args, cfg, hf.arch.from_hf(weights, cfg))
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in shape.items() if "dropout" not in k)
+    flags = " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in shape.items() if "dropout" not in k and v is not None
+    )
     return (
         f"> {hf.arch.hf_class} from {opts.load} -> {folder} (release, tp {tp} x pp {pp}, padded vocabulary "
         f"{vocab} from {rows} rows)\n> continue it with: pretrain_gpt.py --load {opts.save} {flags} "

@@ -113,7 +113,7 @@ def course_args(config: dict) -> dict:
         "num_layers": config.get("n_layer", 12),
         "hidden_size": hidden,
         "num_attention_heads": config.get("n_head", 12),
-        "ffn_hidden_size": config.get("n_inner") or 4 * hidden,
+        "ffn_hidden_size": None if config.get("n_inner") in (None, 4 * hidden) else config["n_inner"],
         "max_position_embeddings": config.get("n_positions", 1024),
         "hidden_dropout": config.get("resid_pdrop", 0.1),
         "attention_dropout": config.get("attn_pdrop", 0.1),
