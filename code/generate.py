@@ -67,7 +67,7 @@ def timing_lines(cached: Generation, uncached: Generation) -> list[str]:
     head, tail = slice(1, 1 + quarter), slice(-quarter, None)  # the first step holds the prompt
     return [
         f"> tokens/s: {cached.tokens_per_s():.1f} with the KV cache, {uncached.tokens_per_s():.1f} without",
-        f"> ms per new token, first quarter -> last quarter: {cached.ms_per_token(head):.2f} -> "
+        f"> ms per new token (median), first quarter -> last quarter: {cached.ms_per_token(head):.2f} -> "
         f"{cached.ms_per_token(tail):.2f} with the KV cache, {uncached.ms_per_token(head):.2f} -> "
         f"{uncached.ms_per_token(tail):.2f} without",
         "> the same tokens with and without the cache: "

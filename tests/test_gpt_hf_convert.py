@@ -46,9 +46,10 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2_ckpt(data, tmp_path_factory):
-    """A checkpoint saved by a tp 2 run (2 gloo ranks, 3 iterations), --ckpt-format torch."""
+    """A checkpoint saved by a tp 2 run (2 gloo ranks, 3 iterations), --ckpt-format torch; V = 384
+    (300 tokens padded to 64 x tp), as one process pads them to 128."""
     root = tmp_path_factory.mktemp("tp2")
-    argv = [*TINY, *data.argv(), "--train-iters", "3", "--tensor-model-parallel-size", "2",
+    argv = [*TINY, *data.argv(), "--train-iters", "3", "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64",
             "--save", str(root / "ckpt")]  # fmt: skip
     spawn_pretrain(argv, 2, root / "run")
     return root / "ckpt"
@@ -113,7 +114,7 @@ def test_course_to_hf_to_course_is_bit_equal(tp2_ckpt, tmp_path):
         == 0
     )
     done = script("convert_checkpoint.py", "--from", "hf", "--load", str(hf_dir), "--save", str(back),
-                  "--target-tensor-parallel-size", "2")  # fmt: skip
+                  "--target-tensor-parallel-size", "2", "--make-vocab-size-divisible-by", "64")  # fmt: skip
     assert done.returncode == 0, done.stderr
     for rank in ("mp_rank_00", "mp_rank_01"):
         original = torch.load(tp2_ckpt / "iter_0000003" / rank / "model_optim_rng.pt", weights_only=False)
@@ -136,6 +137,19 @@ def test_tp2_checkpoint_generates_what_transformers_generates(tp2_ckpt, tmp_path
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)
     assert ours == theirs[0].tolist()
+
+
+def test_tp2_and_one_process_from_the_same_weights_generate_the_same_tokens(data, tp2_ckpt, tmp_path):
+    """The same run (seed, data, 3 iterations) on one process: the weights agree to round-off,
+    the greedy tokens exactly."""
+    argv = [*TINY, *data.argv(), "--train-iters", "3", "--save", str(tmp_path / "ckpt")]
+    spawn_pretrain(argv, 1, tmp_path / "run")
+    ids = " ".join(map(str, PROMPT))
+    runs = [script("generate.py", "--load", str(c), "--prompt-ids", ids, "--max-new-tokens", "20")
+            for c in (tp2_ckpt, tmp_path / "ckpt")]  # fmt: skip
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    tp2, one = (r.stdout.strip().splitlines()[-1] for r in runs)
+    assert tp2 == one
 
 
 def test_hf_model_converts_in_and_trains_on_tp2(data, tmp_path):
@@ -195,9 +209,19 @@ def test_fsdp2_torch_dist_checkpoint_generates_what_transformers_generates(data,
     argv = [*TINY, *data.argv(), "--train-iters", "2", "--use-torch-fsdp2", "--ckpt-format", "torch_dist",
             "--save", str(tmp_path / "ckpt")]  # fmt: skip
     spawn_pretrain(argv, 2, tmp_path / "run")
-    out = script("convert_checkpoint.py", "--to", "hf", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "hf"))
+    out = script(
+        "convert_checkpoint.py",
+        "--to",
+        "hf",
+        "--load",
+        str(tmp_path / "ckpt"),
+        "--save",
+        str(tmp_path / "hf"),
+    )
     assert out.returncode == 0, out.stderr
-    run = script("generate.py", "--load", str(tmp_path / "ckpt"), "--prompt", "Return the", "--max-new-tokens", "12")
+    run = script(
+        "generate.py", "--load", str(tmp_path / "ckpt"), "--prompt", "Return the", "--max-new-tokens", "12"
+    )
     assert run.returncode == 0, run.stderr
     assert "(torch_dist, saved with tp 1 x pp 1)" in run.stdout
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

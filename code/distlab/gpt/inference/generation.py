@@ -17,6 +17,7 @@ top-p: its ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -76,9 +77,10 @@ class Generation:
         return len(self.step_s) / sum(self.step_s) if self.step_s else 0.0
 
     def ms_per_token(self, part: slice) -> float:
-        """Mean milliseconds of the new tokens in ``part`` (e.g. the first and the last quarter)."""
+        """Median milliseconds of the new tokens in ``part`` (e.g. the first and the last quarter;
+        the median: a busy machine's stalls are outliers)."""
         steps = self.step_s[part]
-        return 1000 * sum(steps) / max(len(steps), 1)
+        return 1000 * statistics.median(steps) if steps else 0.0
 
 
 def check_length(prompt: int, max_new_tokens: int, positions: int) -> None:
