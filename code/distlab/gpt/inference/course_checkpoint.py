@@ -122,14 +122,15 @@ def inspect(load: str) -> CourseCheckpoint:
 
 
 def _check_shapes(ckpt: CourseCheckpoint, stored: dict[str, tuple[int, ...]]) -> None:
-    expected = {k: tuple(v.shape) for k, v in _meta_model(ckpt.config).items()}
+    expected = {k: tuple(v.shape) for k, v in meta_state_dict(ckpt.config).items()}
     wrong = [f"{k}: {stored.get(k, 'missing')} (stored) vs {s} (arguments)" for k, s in expected.items()
              if stored.get(k) != s]  # fmt: skip
     if wrong:
         raise ConversionError(f"{ckpt.folder} does not match its arguments: " + "; ".join(wrong[:6]))
 
 
-def _meta_model(cfg: GPTConfig) -> dict[str, torch.Tensor]:
+def meta_state_dict(cfg: GPTConfig) -> StateDict:
+    """The whole model's state dict as shapes only (meta tensors): what the weights must be."""
     return {k: torch.empty(v.shape, device="meta") for k, v in GPTModel(cfg).state_dict().items()}
 
 

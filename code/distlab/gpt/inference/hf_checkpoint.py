@@ -37,7 +37,8 @@ from distlab.gpt.checkpointing.checkpointing import TRACKER
 from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
 from distlab.gpt.inference import families
 from distlab.gpt.inference.architecture import Architecture, ConversionError, StateDict
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.inference.course_checkpoint import meta_state_dict
+from distlab.gpt.transformer.model import GPTConfig
 
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
@@ -137,8 +138,7 @@ def _check_shapes(hf: HFCheckpoint) -> None:
     """Every weight the configuration implies, of its shape, and nothing else (but what the
     family ignores); tied output: ``lm_head.weight``, when written, is wte's shape."""
     cfg = hf.arch.course_config(PretrainArgs(**hf.course_args), hf.config["vocab_size"])
-    meta = {k: torch.empty(v.shape, device="meta") for k, v in GPTModel(cfg).state_dict().items()}
-    expected = {k: tuple(v.shape) for k, v in hf.arch.to_hf(meta, cfg).items()}
+    expected = {k: tuple(v.shape) for k, v in hf.arch.to_hf(meta_state_dict(cfg), cfg).items()}
     stored = {_strip(k): s for k, s in hf.shapes.items() if not _ignored(k)}
     tied = stored.pop("lm_head.weight", None)
     wrong = [f"{k}: {stored.get(k, 'missing')} (weights) vs {s} (config)" for k, s in expected.items()

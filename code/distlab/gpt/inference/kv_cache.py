@@ -12,8 +12,9 @@ a later one). So the step for a new token keeps, per block::
 and every other layer runs on the T new positions only (T = 1 after the prompt). The buffers are
 allocated once at ``max_length`` (T_max at most) and written in place: no re-allocation per token.
 Per new token the GEMMs then cost the same at every length; only the q K^T and P V products grow,
-by b n d multiply-adds per cached position (Megatron Core's ``inference/`` keeps the same
-per-layer ``key_value_memory_dict``; transformers' ``DynamicCache`` grows by concatenation).
+by b n d multiply-adds per cached position (Megatron Core's static inference context,
+``inference/contexts/static_context.py``, keeps a per-layer ``key_value_memory_dict`` of
+preallocated buffers too; transformers' ``DynamicCache`` grows by concatenation).
 
 The model calls only :meth:`KVCache.layer` and :meth:`LayerCache.update`
 (``transformer/model.py``); the generation loop calls :meth:`KVCache.advance` after each forward.
