@@ -17,6 +17,7 @@ from distlab import REPO_ROOT
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint
+from distlab.gpt.moe.moe_layer import MoEConfig
 from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
@@ -157,3 +158,17 @@ def test_a_prompt_longer_than_the_positions(course_folder, capsys, no_weights_re
     assert "ask for at most 13 new tokens" in capsys.readouterr().err
     assert generate.main(["--load", str(course_folder), "--prompt-ids", "1 999"]) == 2
     assert "--prompt-ids [999] are not ids of the vocabulary [0, 300)" in capsys.readouterr().err
+
+
+def test_a_course_model_the_converter_does_not_know(tmp_path, capsys, no_weights_read):
+    """A mixture of experts (no transformers family for it yet) is refused, by generate.py too."""
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128,
+                    max_position_embeddings=16, moe=MoEConfig(num_experts=2))  # fmt: skip
+    args = PretrainArgs(
+        num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16, num_experts=2
+    )
+    course_checkpoint.write_release(str(tmp_path / "moe"), args, cfg, GPTModel(cfg).state_dict())
+    err = convert_fails(capsys, "--to", "hf", "--load", str(tmp_path / "moe"), "--save", str(tmp_path / "o"))
+    assert "no converter knows this course model" in err and "--num-experts 2" in err
+    assert generate.main(["--load", str(tmp_path / "moe"), "--prompt-ids", "1 2"]) == 2
+    assert "no converter knows this course model" in capsys.readouterr().err
