@@ -30,6 +30,7 @@ import os
 import sys
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.data.tokenizer import GPT2BPETokenizer
 from distlab.gpt.inference import course_checkpoint, hf_checkpoint
 from distlab.gpt.inference.architecture import ConversionError
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
@@ -68,27 +69,13 @@ def from_hf(opts: argparse.Namespace) -> str:
     hf = hf_checkpoint.inspect(opts.load, given)
     tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
     rows, shape = hf.config["vocab_size"], hf.course_args
-    tokens = hf_checkpoint.GPT2BPETokenizer(*hf.tokenizer_files).vocab_size if hf.tokenizer_files else None
-    vocab = pad_vocab_size(tokens or rows, opts.make_vocab_size_divisible_by, tp)
-    if tokens is None and vocab != rows:
-        raise ConversionError(
-            f"{opts.load} has no vocab.json/merges.txt and its {rows} rows are no multiple of "
-            f"--make-vocab-size-divisible-by {opts.make_vocab_size_divisible_by} x tp {tp}: give the "
-            f"tokenizer (--vocab-file, --merge-file)"
-        )
-    ffn = shape["ffn_hidden_size"] or 4 * shape["hidden_size"]
-    errors = [f"{what} {size} is not divisible by --target-tensor-parallel-size {tp}"
-              for what, size in (("heads", shape["num_attention_heads"]), ("ffn", ffn)) if size % tp]  # fmt: skip
-    if shape["num_layers"] % pp:
-        errors.append(
-            f"{shape['num_layers']} layers are not divisible by --target-pipeline-parallel-size {pp}"
-        )
-    if errors:
-        raise ConversionError("; ".join(errors))
+    vocab = target_vocabulary(hf, opts.make_vocab_size_divisible_by, tp)
+    check_layout(shape, tp, pp)
     files = {}
-    if hf.tokenizer_files:
+    if hf.tokenizer_files:  # beside the checkpoint: the arguments it saves name them
         os.makedirs(opts.save, exist_ok=True)
-        files = dict(zip(("vocab_file", "merge_file"), _copy(hf.tokenizer_files, opts.save), strict=True))
+        vocab_file, merge_file = hf_checkpoint.copy_tokenizer(hf.tokenizer_files, opts.save)
+        files = {"vocab_file": vocab_file, "merge_file": merge_file}
     args = PretrainArgs(**shape, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by, **files)  # fmt: skip
     cfg = hf.arch.course_config(args, vocab)
@@ -105,14 +92,32 @@ def from_hf(opts: argparse.Namespace) -> str:
     )
 
 
-def _copy(files: tuple[str, str], folder: str) -> tuple[str, str]:
-    import shutil
+def target_vocabulary(hf: hf_checkpoint.HFCheckpoint, divisible_by: int, tp: int) -> int:
+    """V of the run that loads the conversion: the tokenizer's size padded as that run pads it."""
+    rows = hf.config["vocab_size"]
+    tokens = GPT2BPETokenizer(*hf.tokenizer_files).vocab_size if hf.tokenizer_files else None
+    vocab = pad_vocab_size(tokens or rows, divisible_by, tp)
+    if tokens is None and vocab != rows:
+        raise ConversionError(
+            f"{hf.folder} has no vocab.json/merges.txt and its {rows} rows are no multiple of "
+            f"--make-vocab-size-divisible-by {divisible_by} x tp {tp}: give the tokenizer (--vocab-file, "
+            f"--merge-file)"
+        )
+    return vocab
 
-    out = tuple(os.path.join(folder, name) for name in hf_checkpoint.TOKENIZER_FILES)
-    for src, dst in zip(files, out, strict=True):
-        if os.path.abspath(src) != os.path.abspath(dst):
-            shutil.copyfile(src, dst)
-    return out  # type: ignore[return-value]
+
+def check_layout(shape: dict, tp: int, pp: int) -> None:
+    """Heads and MLP width split over tp, layers over pp."""
+    ffn = shape["ffn_hidden_size"] or 4 * shape["hidden_size"]
+    sizes = (("heads", shape["num_attention_heads"], tp, "tensor"), ("ffn", ffn, tp, "tensor"),
+             ("layers", shape["num_layers"], pp, "pipeline"))  # fmt: skip
+    errors = [
+        f"{what} {n} not divisible by --target-{kind}-parallel-size {p}"
+        for what, n, p, kind in sizes
+        if n % p
+    ]
+    if errors:
+        raise ConversionError("; ".join(errors))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -172,3 +172,10 @@ def test_a_course_model_the_converter_does_not_know(tmp_path, capsys, no_weights
     assert "no converter knows this course model" in err and "--num-experts 2" in err
     assert generate.main(["--load", str(tmp_path / "moe"), "--prompt-ids", "1 2"]) == 2
     assert "no converter knows this course model" in capsys.readouterr().err
+
+
+def test_a_target_layout_that_does_not_split_the_model(hf_folder, tmp_path, capsys, no_weights_read):
+    err = convert_fails(capsys, "--from", "hf", "--load", str(hf_folder), "--save", str(tmp_path),
+                        "--target-tensor-parallel-size", "3", "--target-pipeline-parallel-size", "4")  # fmt: skip
+    assert "heads 4 not divisible by --target-tensor-parallel-size 3" in err
+    assert "layers 2 not divisible by --target-pipeline-parallel-size 4" in err

@@ -70,10 +70,17 @@ def _write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
+def copy_tokenizer(files: tuple[str, str], folder: str) -> tuple[str, str]:
+    """vocab.json and merges.txt copied into ``folder`` (unless there already); their new paths."""
+    out = tuple(os.path.join(folder, name) for name in TOKENIZER_FILES)
+    for src, dst in zip(files, out, strict=True):
+        if os.path.abspath(src) != os.path.abspath(dst):
+            shutil.copyfile(src, dst)
+    return out  # type: ignore[return-value]
+
+
 def _write_tokenizer(folder: str, files: tuple[str, str], max_length: int) -> None:
-    for src, name in zip(files, TOKENIZER_FILES, strict=True):
-        if os.path.abspath(src) != os.path.abspath(os.path.join(folder, name)):
-            shutil.copyfile(src, os.path.join(folder, name))
+    copy_tokenizer(files, folder)
     ByteLevelBPETokenizer(*files, add_prefix_space=False).save(os.path.join(folder, "tokenizer.json"))
     _write_json(os.path.join(folder, "tokenizer_config.json"), {
         "tokenizer_class": "GPT2Tokenizer", "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
