@@ -226,9 +226,11 @@ def load_checkpoint(
     model.load_state_dict(ckpt["model"])
     if release:
         return 0, 0, None
-    optimizer.load_state_dict(ckpt["optimizer"])
-    set_rng_state(ckpt["rng"])
-    return ckpt["iteration"], ckpt["consumed_samples"], ckpt["scaler"]
+    if not args.no_load_optim:  # Megatron's --no-load-optim: fresh Adam moments and loss scale
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if not args.no_load_rng:
+        set_rng_state(ckpt["rng"])
+    return ckpt["iteration"], ckpt["consumed_samples"], None if args.no_load_optim else ckpt["scaler"]
 
 
 def check_args(saved: dict, args: PretrainArgs, path: str, *, may_differ: tuple[str, ...] = ()) -> None:
