@@ -53,15 +53,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def to_hf(opts: argparse.Namespace) -> str:
     ckpt = course_checkpoint.inspect(opts.load)
-    files = course_checkpoint.tokenizer_files(ckpt.args, opts.vocab_file, opts.merge_file)
+    spec = course_checkpoint.tokenizer_spec(ckpt.args, opts.vocab_file, opts.merge_file)
     model = course_checkpoint.read_model(ckpt)
-    hf_checkpoint.write(opts.save, ckpt.arch, ckpt.config, ckpt.args, model.state_dict(), files)
+    files = hf_checkpoint.write(opts.save, ckpt.arch, ckpt.config, ckpt.args, model.state_dict(), spec)
     return (
         f"> {ckpt.arch.name} from {ckpt.folder} ({ckpt.ckpt_format}, tp {ckpt.args.tensor_model_parallel_size}"
         f" x pp {ckpt.args.pipeline_model_parallel_size}) -> {opts.save} ({ckpt.arch.hf_class}, vocab_size "
         f"{ckpt.config.vocab_size}"
-        + (", with its tokenizer)" if files else ", no tokenizer files: none found)")
+        + (", with its tokenizer)" if files else f", no tokenizer files: {_why_none(spec)})")
     )
+
+
+def _why_none(spec) -> str:
+    if spec is None:
+        return "the run's are gone (give --vocab-file, --merge-file)"
+    return f"--tokenizer-type {spec.tokenizer_type} is not converted, only GPT2BPETokenizer"
 
 
 def from_hf(opts: argparse.Namespace) -> str:

@@ -3,7 +3,7 @@
 The checkpoint is any ``pretrain_gpt.py --save`` folder (``--ckpt-format torch`` or ``torch_dist``,
 from any layout: its tp, pp, cp, ep and FSDP parts are put together in this one process) or a
 release checkpoint that ``convert_checkpoint.py --from hf`` wrote. The tokenizer is the run's own
-(``--vocab-file``/``--merge-file`` it was trained with) unless given::
+(its ``--tokenizer-type`` and files) unless GPT-2 BPE files are given::
 
     python code/generate.py --load runs/gpt/ckpt --prompt "Return the" --max-new-tokens 32
     python code/generate.py --load runs/gpt/ckpt --prompt-ids "464 2068" --temperature 0.8 --top-k 50 \\
@@ -22,7 +22,6 @@ import sys
 
 import torch
 
-from distlab.gpt.data.tokenizer import GPT2BPETokenizer
 from distlab.gpt.inference import course_checkpoint
 from distlab.gpt.inference.architecture import ConversionError
 from distlab.gpt.inference.generation import Generation, Sampling, check_length, generate
@@ -44,7 +43,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def prompt_ids(opts: argparse.Namespace, tokenizer: GPT2BPETokenizer | None, vocab: int) -> list[int]:
+def prompt_ids(opts: argparse.Namespace, tokenizer, vocab: int) -> list[int]:
     if opts.prompt is not None:
         if tokenizer is None:
             raise ConversionError(
@@ -84,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sampling = Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed)
         ckpt = course_checkpoint.inspect(opts.load)  # arguments and shapes: no weight read yet
-        files = course_checkpoint.tokenizer_files(ckpt.args, opts.vocab_file, opts.merge_file)
-        tokenizer = GPT2BPETokenizer(*files) if files else None
+        spec = course_checkpoint.tokenizer_spec(ckpt.args, opts.vocab_file, opts.merge_file)
+        tokenizer = spec.build() if spec else None
         vocab = tokenizer.vocab_size if tokenizer else ckpt.config.vocab_size
         prompt = prompt_ids(opts, tokenizer, vocab)
         check_length(len(prompt), opts.max_new_tokens, ckpt.config.max_position_embeddings)

@@ -16,6 +16,7 @@ import torch
 from distlab import REPO_ROOT
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint
 from distlab.gpt.moe.moe_layer import MoEConfig
 from distlab.gpt.tools.local_run import prepare_data
@@ -61,8 +62,8 @@ def hf_folder(data, tmp_path_factory):
         num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=384, max_position_embeddings=16
     )
     args = PretrainArgs(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16)
-    files = (data.vocab_file, data.merge_file)
-    hf_checkpoint.write(str(folder), gpt2.GPT2, cfg, args, GPTModel(cfg).state_dict(), files)
+    spec = TokenizerSpec("GPT2BPETokenizer", data.vocab_file, data.merge_file)
+    hf_checkpoint.write(str(folder), gpt2.GPT2, cfg, args, GPTModel(cfg).state_dict(), spec)
     return folder
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from distlab import REPO_ROOT
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.data.tokenizer import GPT2BPETokenizer
+from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint
 from distlab.gpt.inference.generation import Sampling, generate
 from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
@@ -69,8 +70,8 @@ def random_course_model(vocab: int = 384, seed: int = 3) -> GPTModel:
 
 def write_hf(model: GPTModel, folder, data=None) -> None:
     args = PretrainArgs(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=32)
-    files = (data.vocab_file, data.merge_file) if data else None
-    hf_checkpoint.write(str(folder), gpt2.GPT2, model.cfg, args, model.state_dict(), files)
+    spec = TokenizerSpec("GPT2BPETokenizer", data.vocab_file, data.merge_file) if data else None
+    hf_checkpoint.write(str(folder), gpt2.GPT2, model.cfg, args, model.state_dict(), spec)
 
 
 def test_logits_equal_transformers_in_fp32(data, tmp_path):
@@ -124,11 +125,24 @@ def test_course_to_hf_to_course_is_bit_equal(tp2_ckpt, tmp_path):
             assert torch.equal(tensor, again["model"][name]), f"{rank} {name}"
 
 
-def test_tp2_checkpoint_generates_what_transformers_generates(tp2_ckpt, tmp_path):
-    out = script("convert_checkpoint.py", "--to", "hf", "--load", str(tp2_ckpt), "--save", str(tmp_path))
+@pytest.fixture(scope="module")
+def pp2_ckpt(data, tmp_path_factory):
+    """A checkpoint saved by a pp 2 run (2 gloo ranks, 1F1B, 2 iterations): wte on the first stage,
+    output_weight (its copy) on the last."""
+    root = tmp_path_factory.mktemp("pp2")
+    argv = [*TINY, *data.argv(), "--train-iters", "2", "--pipeline-model-parallel-size", "2",
+            "--save", str(root / "ckpt")]  # fmt: skip
+    spawn_pretrain(argv, 2, root / "run")
+    return root / "ckpt"
+
+
+@pytest.mark.parametrize("layout", ["tp2_ckpt", "pp2_ckpt"])
+def test_a_parallel_checkpoint_generates_what_transformers_generates(layout, request, tmp_path):
+    ckpt = request.getfixturevalue(layout)
+    out = script("convert_checkpoint.py", "--to", "hf", "--load", str(ckpt), "--save", str(tmp_path))
     assert out.returncode == 0, out.stderr
     ids = " ".join(map(str, PROMPT))
-    run = script("generate.py", "--load", str(tp2_ckpt), "--prompt-ids", ids, "--max-new-tokens", "20")
+    run = script("generate.py", "--load", str(ckpt), "--prompt-ids", ids, "--max-new-tokens", "20")
     assert run.returncode == 0, run.stderr
     ours = [int(x) for x in run.stdout.strip().splitlines()[-1].split()]
     assert (

@@ -35,6 +35,7 @@ import torch
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import checkpointing, durable
+from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import families
 from distlab.gpt.inference.architecture import Architecture, ConversionError, StateDict
 from distlab.gpt.tensor_parallel.layers import shard, unshard
@@ -212,17 +213,19 @@ def write_release(save: str, args: PretrainArgs, cfg: GPTConfig, full: StateDict
     return folder
 
 
-def tokenizer_files(
+def tokenizer_spec(
     args: PretrainArgs, vocab_file: str | None, merge_file: str | None
-) -> tuple[str, str] | None:
-    """vocab.json and merges.txt: those given, else those the run trained with if they still
-    exist, else None."""
+) -> TokenizerSpec | None:
+    """The tokenizer: GPT-2's BPE from the files given, else the run's own ``--tokenizer-type`` if
+    its files still exist, else None."""
     given = (vocab_file, merge_file)
     if any(given):
         if not all(given) or not all(os.path.exists(p) for p in given):
             raise ConversionError(
                 f"--vocab-file {vocab_file} and --merge-file {merge_file}: give both, existing"
             )
-        return vocab_file, merge_file  # type: ignore[return-value]
-    saved = (args.vocab_file, args.merge_file)
-    return saved if all(p and os.path.exists(p) for p in saved) else None  # type: ignore[return-value]
+        return TokenizerSpec("GPT2BPETokenizer", vocab_file, merge_file)
+    spec = TokenizerSpec.from_args(args)
+    files = {"GPT2BPETokenizer": (spec.vocab_file, spec.merge_file), "NullTokenizer": ()}
+    needed = files.get(spec.tokenizer_type, (spec.tokenizer_model,))
+    return spec if all(p and os.path.exists(p) for p in needed) else None

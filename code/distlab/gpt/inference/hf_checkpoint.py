@@ -35,6 +35,7 @@ from tokenizers import ByteLevelBPETokenizer
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing.checkpointing import TRACKER
 from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
+from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import families
 from distlab.gpt.inference.architecture import Architecture, ConversionError, StateDict
 from distlab.gpt.inference.course_checkpoint import meta_state_dict
@@ -45,23 +46,26 @@ TOKENIZER_FILES = ("vocab.json", "merges.txt")
 
 
 def write(folder: str, arch: Architecture, cfg: GPTConfig, args: PretrainArgs, sd: StateDict,
-          tokenizer_files: tuple[str, str] | None) -> None:  # fmt: skip
-    """Write the folder from the whole course state dict ``sd`` (``tokenizer_files``: vocab.json
-    and merges.txt, or None: no tokenizer files, no token ids in the configuration)."""
+          tokenizer: TokenizerSpec | None) -> bool:  # fmt: skip
+    """Write the folder from the whole course state dict ``sd``; its token ids from ``tokenizer``
+    (None: none), and its files when it is GPT-2's BPE (the return value: whether they were)."""
     os.makedirs(folder, exist_ok=True)
     config = arch.hf_config(cfg, args) | {"torch_dtype": "float32"}
     generation: dict = {}
-    if tokenizer_files is not None:
-        tok = GPT2BPETokenizer(*tokenizer_files)
+    if tokenizer is not None:
+        tok = tokenizer.build()
         check_vocabulary(tok.vocab_size, cfg.vocab_size, "the checkpoint's tokenizer")
         config |= {"bos_token_id": tok.eod, "eos_token_id": tok.eod}
         generation = {"bos_token_id": tok.eod, "eos_token_id": tok.eod, "pad_token_id": tok.eod,
                       "suppress_tokens": list(range(tok.vocab_size, cfg.vocab_size)) or None}  # fmt: skip
-        _write_tokenizer(folder, tokenizer_files, cfg.max_position_embeddings)
+    files = tokenizer is not None and tokenizer.tokenizer_type == "GPT2BPETokenizer"
+    if files:  # the other kinds' files (sentencepiece, tokenizer.json) are not converted yet
+        _write_tokenizer(folder, (tokenizer.vocab_file, tokenizer.merge_file), cfg.max_position_embeddings)
     _write_json(os.path.join(folder, "config.json"), config)
     _write_json(os.path.join(folder, "generation_config.json"), generation)
     tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in arch.to_hf(sd, cfg).items()}
     save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+    return files
 
 
 def _write_json(path: str, obj: dict) -> None:
