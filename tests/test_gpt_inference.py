@@ -77,3 +77,15 @@ def test_a_release_checkpoint_for_tp2_pp2_reads_back_whole(tmp_path):
     back = course_checkpoint.read_model(ckpt).state_dict()
     for name, tensor in model.state_dict().items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_a_release_checkpoint_is_refused_by_the_torch_dist_loader(tmp_path):
+    from distlab.gpt.checkpointing import dist_checkpointing
+
+    args = PretrainArgs(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=32)
+    course_checkpoint.write_release(str(tmp_path), args, CFG, GPTModel(CFG).state_dict())
+    loading = PretrainArgs(load=str(tmp_path), ckpt_format="torch_dist")
+    with pytest.raises(
+        FileNotFoundError, match="holds a release checkpoint .* load it with --ckpt-format torch"
+    ):
+        dist_checkpointing.load_checkpoint(loading, None, None, None)
