@@ -65,6 +65,9 @@ never up (``tests/test_imports.py`` checks it)::
     build.py           everything a run holds, built once from the arguments and the layout
                        ~ training/training.py's setup_model_and_optimizer
     pretrain.py        the training loop of pretrain_gpt.py ~ training/training.py's pretrain
+    inference/         kv_cache, generation (greedy, top-k, top-p), course_checkpoint (any layout
+                       read whole; release written), hf_checkpoint and a module per family (gpt2):
+                       transformers' folders ~ inference/, Megatron-LM's tools/checkpoint/
     tools/             local_run (spawned runs for tests and notebooks), diagrams (images/gpt/)
                        ~ Megatron-LM's tools/
 

@@ -57,6 +57,9 @@ from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
+#: The tracker's word for a model-only checkpoint in ``release/`` (Megatron's: what its converters
+#: write, and ``code/convert_checkpoint.py``): loaded at iteration 0, without optimizer or RNG.
+RELEASE = "release"
 #: Arguments a checkpoint must agree on to be loaded.
 MUST_MATCH = (
     "num_layers",
@@ -189,6 +192,15 @@ def committed_dir(root: str, iteration: int) -> str:
     return final
 
 
+def is_release(root: str) -> bool:
+    """Whether ``root``'s tracker names a release checkpoint (:data:`RELEASE`)."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return f.read().strip() == RELEASE
+
+
 def read_tracker(root: str) -> int | None:
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
@@ -207,11 +219,13 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[int, int, dict | None] | None:
     """Restore from ``args.load``; return ``(iteration, consumed_samples, scaler_state)``, or None
-    when the folder holds no checkpoint yet (a fresh start, as Megatron does)."""
-    iteration = read_tracker(args.load)
+    when the folder holds no checkpoint yet (a fresh start, as Megatron does). A release checkpoint
+    restores the model only: ``(0, 0, None)``, the optimizer and the RNG left as the run made them."""
+    release = is_release(args.load)
+    iteration = 0 if release else read_tracker(args.load)
     if iteration is None:
         return None
-    folder = committed_dir(args.load, iteration)
+    folder = os.path.join(args.load, RELEASE) if release else committed_dir(args.load, iteration)
     path = rank_file(folder, state)
     if os.path.exists(os.path.join(folder, ".metadata")):  # DCP's
         raise FileNotFoundError(
@@ -226,6 +240,8 @@ def load_checkpoint(
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     check_args(ckpt["args"], args, path)
     model.load_state_dict(ckpt["model"])
+    if release:
+        return 0, 0, None
     if not args.no_load_optim:  # Megatron's --no-load-optim: fresh Adam moments and loss scale
         optimizer.load_state_dict(ckpt["optimizer"])
     if not args.no_load_rng:
