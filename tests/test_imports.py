@@ -133,6 +133,7 @@ LAYERS = (
     "build",
     "planning",
     "pretrain",
+    "inference",
     "tools",
 )
 MAX_ROOT_MODULES = 6  # __init__.py included
