@@ -1,6 +1,6 @@
 """A machine as the step-time model sees it: GPUs per node, FLOP/s, memory, two links.
 
-One small JSON file per machine in ``hardware/`` (``h100_sxm_node``, ``a100_node``, from syllabus
+One small JSON file per machine in ``machines/`` (``h100_sxm_node``, ``a100_node``, from syllabus
 section 13); the local cluster's figures are measured (:func:`measure_local`), as notebook 02
 measures a collective's bus bandwidth (``distlab.comm.bench``) and notebook 04 the GEMM peak
 (``training/flops.measure_gemm_tflops``)::
@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-FILES = Path(__file__).parent / "hardware"
+FILES = Path(__file__).parent / "machines"
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Hardware:
 
 
 def load(name: str | Path) -> Hardware:
-    """A machine by file name in ``hardware/`` (``"h100_sxm_node"``) or by path."""
+    """A machine by file name in ``machines/`` (``"h100_sxm_node"``) or by path."""
     path = Path(name)
     if not path.suffix:
         path = FILES / f"{name}.json"

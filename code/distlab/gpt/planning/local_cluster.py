@@ -1,0 +1,72 @@
+"""The local cluster's hardware figures, measured here in a few seconds.
+
+Notebook 04 measures the GEMM peak a job's ranks can reach (``training/flops.measure_gemm_tflops``:
+large fp32 matrix products with the threads a rank computes with); notebook 02 times collectives
+over gloo and reports nccl-tests' bus bandwidth (``distlab.comm.bench``). :func:`measure_local`
+does both at a smaller scale: the GEMM rate of one rank's threads, and an all-reduce among
+``ranks`` spawned gloo ranks at a small size (its time is the latency, alpha) and a large one
+(bus bandwidth = 2 (n - 1) / n x bytes / (time - alpha)). Both nodes of the course's cluster are
+this machine (loopback), so one link serves inside and between "nodes".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from distlab.comm.bench import BUS_FACTOR, make_op, time_op
+from distlab.distributed import free_port, spawn_ranks
+from distlab.gpt.planning.hardware import Hardware, Link
+from distlab.gpt.training.flops import measure_gemm_tflops
+
+SMALL, LARGE = 1024, 8 * 2**20  # bytes of the all-reduces that give alpha and the bandwidth
+
+
+def _time_all_reduce(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from distlab.distributed import torchrun_env
+
+    os.environ.update(torchrun_env(rank, world, port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        cpu = torch.device("cpu")
+        times = [time_op(make_op("all_reduce", n // 4, cpu), cpu, 2, 20, 1.0)[0] for n in (SMALL, LARGE)]
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+
+
+def measure_link(ranks: int = 2) -> Link:
+    """alpha and bus bandwidth of a gloo all-reduce among ``ranks`` local processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp, "times.json"))
+        spawn_ranks(_time_all_reduce, (ranks, free_port(), out), ranks)
+        small, large = json.loads(Path(out).read_text())
+    factor = BUS_FACTOR["all_reduce"](ranks)
+    return Link(bandwidth=factor * LARGE / max(large - small, 1e-9), latency=small)
+
+
+def measure_local(ranks_per_node: int = 2, threads_per_rank: int = 1, memory_gib: float = 4.0) -> Hardware:
+    """The local cluster as :class:`Hardware`: one rank's GEMM rate (fp32, ``threads_per_rank``
+    threads; achieved fraction 1 of it), the all-reduce link of ``ranks_per_node`` ranks for both
+    links, no flash attention (the engine's CPU attention computes the whole s x s products)."""
+    tflops = measure_gemm_tflops(torch.device("cpu"), size=512, min_time_s=0.1, threads=threads_per_rank)
+    link = measure_link(ranks_per_node)
+    return Hardware(
+        name=f"local cluster: {ranks_per_node} ranks per node, {threads_per_rank} thread(s) each (measured)",
+        gpus_per_node=ranks_per_node,
+        peak_flops=tflops * 1e12,
+        achieved_fraction=1.0,
+        memory_bytes=memory_gib * 2**30,
+        intra_node=link,
+        inter_node=link,
+        flash_attention=False,
+        source="measured by planning/local_cluster.measure_local",
+    )
