@@ -39,3 +39,11 @@ def test_a_layout_that_cannot_fit_names_the_state_that_overflows_and_by_how_much
     assert c.states["optimizer state"] > c.states["parameters"]  # 12 of Megatron's 18 bytes per parameter
     over = (c.peak - small.memory_bytes) / GiB
     assert f"exceeds 16 GiB by {over:.1f} GiB; largest state: optimizer state" in c.why()
+
+
+def test_the_command_line_prints_the_best_five(capsys) -> None:
+    from distlab.gpt.planning.planner import main
+
+    assert main(["--world-size", "64", "--", *GPT_13B]) == 0
+    out = capsys.readouterr().out
+    assert "64 devices; global batch 256 x 2048 tokens" in out and "layouts fit; the best 5:" in out

@@ -127,3 +127,33 @@ def report(candidates: list[Candidate], top: int = 5) -> list[str]:
     for c in [c for c in candidates if not c.fits][:3]:
         lines.append(f">   {c.name():38s} {c.why()}")
     return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distlab.gpt.planning.planner --world-size 256 [--hardware h100_sxm_node]
+    [--no-distributed-optimizer] -- <pretrain_gpt.py's model and batch flags>``: the best five."""
+    import argparse
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="python -m distlab.gpt.planning.planner", description=main.__doc__)
+    parser.add_argument("--world-size", type=int, required=True, help="devices of the cluster")
+    parser.add_argument(
+        "--hardware", default="h100_sxm_node", help="a file of planning/machines/ or a JSON path"
+    )
+    parser.add_argument("--no-distributed-optimizer", action="store_true", help="Megatron's plain DDP states")
+    opts = parser.parse_args(argv[:split])
+    from distlab.gpt.arguments import parse_args
+    from distlab.gpt.planning.hardware import load
+
+    args, hw = parse_args(argv[split + 1 :]), load(opts.hardware)
+    print(
+        f"> {hw.name}: {opts.world_size} devices; global batch {args.global_batch_size} x {args.seq_length} tokens"
+    )
+    print("\n".join(report(plan(args, opts.world_size, hw, not opts.no_distributed_optimizer))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
