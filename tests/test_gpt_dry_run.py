@@ -1,9 +1,9 @@
 """A dry run (one rank on the meta device, fake process group) against a real run of the same layout.
 
-Eight gloo ranks build the tiny GPT for real at tp 2 x pp 2 x dp 2 with sequence parallelism and
-record the collectives of one step's forward/backward, gradient reduction and norm; the dry run of
-every rank of the same layout must find the same parameters and the same collectives (operation,
-group, size, bytes, count). The 70B-shaped dry run of the issue runs from the command line in a
+Gloo ranks build the tiny GPT for real (tp 2 x pp 2 x dp 2 with sequence parallelism; cp 2 with
+pp 2 x v 2 x dp 2; experts over ep 2 of dp 4) and record the collectives of one step's
+forward/backward, gradient reduction and norm; the dry run of every rank of the same layout must
+find the same parameters and the same collectives (operation, group, size, bytes, count). The 70B-shaped dry run of the issue runs from the command line in a
 subprocess and must finish within its budget.
 """
 
@@ -24,41 +24,78 @@ from distlab.gpt.build import build_model
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.planning.dry_run import dry_run, meta_batches, model_states, step_collectives
 from distlab.gpt.pretrain import pretrain
+from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from tests.conftest import TINY_GPT_ARGV, run_gloo
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUT = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel".split()
 DATA = "--mock-data --tokenizer-type NullTokenizer --vocab-size 200".split()
-ARGV = [*TINY_GPT_ARGV, *DATA, *LAYOUT]
+ARGV = [
+    *TINY_GPT_ARGV,
+    *DATA,
+    *"--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel".split(),
+]
+#: (world, flags): tp x pp x dp with SP; cp x pp; the interleaved pipeline; experts over ep 2 of dp 4
+LAYOUTS = {
+    "tp2-pp2-dp2-sp": (8, ARGV),
+    "cp2-pp2": (
+        4,
+        [*TINY_GPT_ARGV, *DATA, *"--context-parallel-size 2 --pipeline-model-parallel-size 2".split()],
+    ),
+    "pp2-v2-dp2": (
+        4,
+        [
+            *TINY_GPT_ARGV,
+            *DATA,
+            *"--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2".split(),
+        ],
+    ),
+    "dp4-ep2": (
+        4,
+        [
+            *TINY_GPT_ARGV,
+            *DATA,
+            *"--num-experts 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall".split(),
+        ],
+    ),
+}
 
 
 def _as_rows(calls) -> list:
     return sorted([c.op, c.group, c.size, c.nbytes, n] for c, n in Counter(calls).items())
 
 
-def _real_rank(ctx, out: str) -> None:
-    args = parse_args(ARGV)
+def _real_rank(ctx, out: str, argv: list[str]) -> None:
+    args = parse_args(argv)
     layout = validate_args(args, ctx.world_size)
     state = ParallelState.build(layout)
-    model = build_model(args, state, 256, torch.device("cpu"))  # 200 padded to 128 x tp
+    vocab = pad_vocab_size(200, args.make_vocab_size_divisible_by, layout.tp)
+    model = build_model(args, state, vocab, torch.device("cpu"))
     calls = step_collectives(args, state, model, meta_batches(layout, args.seq_length, torch.device("cpu")))
     found = {"parameters": sum(p.numel() for p in model.parameters()), "calls": _as_rows(calls)}
     Path(out, f"{ctx.rank}.json").write_text(json.dumps(found))
 
 
-def test_dry_runs_find_the_parameters_and_collectives_of_a_real_run(tmp_path: Path) -> None:
-    run_gloo(_real_rank, 8, str(tmp_path))
-    args = parse_args(ARGV)
-    layout = validate_args(args, 8)
-    total = 0
-    for rank in range(8):
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_dry_runs_find_the_parameters_and_collectives_of_a_real_run(tmp_path: Path, name: str) -> None:
+    world, argv = LAYOUTS[name]
+    run_gloo(_real_rank, world, str(tmp_path), argv)
+    args = parse_args(argv)
+    layout = validate_args(args, world)
+    for rank in range(world):
         real = json.loads(Path(tmp_path, f"{rank}.json").read_text())
         dry = dry_run(args, layout, rank)
         assert dry.parameters == real["parameters"], rank
+        if name == "dp4-ep2":  # experts: parameters only (routing needs the data's values)
+            assert dry.collectives is None and "not recorded with --num-experts" in dry.report()[-1]
+            continue
         assert _as_rows(dry.collectives) == real["calls"], rank
-        total += dry.parameters
-    assert {r[1] for r in real["calls"]} >= {"tp", "pp", "dp"}  # every group of the layout was seen
-    assert total > 0
+    groups = {
+        "tp2-pp2-dp2-sp": {"tp", "pp", "dp"},
+        "cp2-pp2": {"cp", "pp"},
+        "pp2-v2-dp2": {"pp", "dp"},
+        "dp4-ep2": {"ep", "dp"},
+    }
+    assert {r[1] for r in real["calls"]} >= groups[name]  # every group of the layout was seen
 
 
 def test_model_states_follow_megatrons_table() -> None:

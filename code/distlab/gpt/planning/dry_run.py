@@ -28,7 +28,9 @@ autocast from fp32 weights). The gradient collectives are this engine's (the dp 
 buckets, as Megatron's DDP without the distributed optimizer); the distributed optimizer replaces
 that all-reduce by a reduce-scatter of the same bytes and an all-gather of the half parameters
 (``step_model.py`` counts it so). Left out: the loss's mean (one fp32 scalar all-reduced over dp x
-cp and broadcast over pp), whose value a dry run does not have.
+cp and broadcast over pp), whose value a dry run does not have. With experts (``--num-experts``)
+the step is not run: the token routing splits tensors by counts computed from the values (the
+all-to-all's splits), which meta tensors do not have; parameters and memory are still printed.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class DryRun:
     precision: str
     activations: float  # bytes, the estimator's
     num_micro_batches: int
-    collectives: list[Collective]
+    collectives: list[Collective] | None  # None with experts (see the module docstring)
 
     def states(self, distributed: bool) -> tuple[float, float, float]:
         d = self.layout.dp * self.layout.cp
@@ -116,6 +118,11 @@ class DryRun:
         lines.append(
             f"> activations (estimator, {self.num_micro_batches} micro-batches): {self.activations / GiB:.2f} GiB"
         )
+        if self.collectives is None:
+            lines.append(
+                "> collectives of one step: not recorded with --num-experts (routing needs the data's values)"
+            )
+            return lines
         lines.append(
             "> collectives of one step    group  size  operation        GiB per call   count   GiB in all"
         )
@@ -182,7 +189,9 @@ def dry_run(args: PretrainArgs, layout: Layout, rank: int) -> DryRun:
             model = build_model(args, state, vocab, meta)
         if precision != "fp32":
             model = model.to(torch.float16 if precision == "fp16" else torch.bfloat16)
-        calls = step_collectives(args, state, model, meta_batches(layout, args.seq_length, meta))
+        calls = None  # experts route by the data's values, which meta tensors do not have
+        if args.num_experts is None:
+            calls = step_collectives(args, state, model, meta_batches(layout, args.seq_length, meta))
         setup = MemorySetup.from_run(args, layout, vocab)
         coords = {d: state.layout.coord(rank, d) for d in ("dp", "tp", "pp", "cp")}
         coords["ep"] = state.ep_rank if layout.ep > 1 else 0
