@@ -92,6 +92,9 @@ class DryRun:
         d = self.layout.dp * self.layout.cp
         return model_states(self.parameters, self.precision, d, distributed)
 
+    def per_parameter(self, distributed: bool) -> float:
+        return sum(model_states(1, self.precision, self.layout.dp * self.layout.cp, distributed))
+
     def peak(self, distributed: bool) -> float:
         estimate = MemoryEstimate(*self.states(distributed), 0.0, self.activations)
         return estimate.peak(accumulating=self.num_micro_batches > 1)
@@ -104,6 +107,8 @@ class DryRun:
             "> coordinates: " + ", ".join(f"{k} {v}" for k, v in c.items())
             + f" (of dp {lay.dp}, tp {lay.tp}, pp {lay.pp}, cp {lay.cp}, ep {lay.ep})",
             f"> parameters on this rank: {self.parameters:,} ({self.precision})",
+            f"> model states, bytes per parameter from Megatron-LM's distributed-optimizer table ({self.precision}, "
+            f"d = dp x cp = {lay.dp * lay.cp}): {self.per_parameter(False):g} without, {self.per_parameter(True):.4g} with",
             "> model states (GiB)            parameters  gradients  optimizer  total   peak (+ activations)",
         ]  # fmt: skip
         for distributed, name in (
