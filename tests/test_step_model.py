@@ -95,3 +95,35 @@ def test_the_hardware_files_read_back() -> None:
     assert Hardware.from_dict(h100.to_dict()) == h100
     with pytest.raises(FileNotFoundError, match="a100_node"):
         load("no_such_machine")
+
+
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+
+@pytest.mark.parametrize("flags", ["", "--sequence-parallel", RECOMPUTE, f"--sequence-parallel {RECOMPUTE}"])
+def test_the_tensor_parallel_counts_per_layer_are_what_a_dry_run_records(flags: str) -> None:
+    """Dry runs (rank 0 of tp 2) of 4 and 8 layers: the collectives of size S = b s H x 4 bytes
+    that 4 more layers add, per layer and micro-batch, are the model's counts."""
+    from distlab.gpt.arguments import validate_args
+    from distlab.gpt.planning.collectives import summarize
+    from distlab.gpt.planning.dry_run import dry_run
+
+    def run(layers: int):
+        argv = (
+            f"--num-layers {layers} --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+            "--global-batch-size 4 --lr 1e-3 --train-iters 2 --mock-data --tokenizer-type NullTokenizer "
+            f"--vocab-size 200 --tensor-model-parallel-size 2 {flags}"
+        ).split()
+        args = parse_args(argv)
+        layout = validate_args(args, 2)
+        S = 2 * 32 * 64 * 4
+        found = {
+            c.op: n
+            for c, n in summarize(dry_run(args, layout, 0).collectives)
+            if c.group == "tp" and c.nbytes == S
+        }
+        model = {c.op: c.count for c in predict_step(args, layout, _hw(), 256, 1000).costs if c.dim == "tp"}
+        return found, model, layout.num_micro_batches
+
+    (four, model, m), (eight, _, _) = run(4), run(8)
+    assert {op: (eight[op] - four[op]) / (4 * m) for op in eight} == {op: k / 4 for op, k in model.items()}

@@ -23,8 +23,9 @@ overlap the whole compute. Per layer and micro-batch, activations ``S = b (s / c
 
     tp, no SP    4 all-reduces of S (2 forward, 2 backward)
     tp, SP       6 all-gathers + 4 reduce-scatters of S (backward gathers the input again for the
-                 weight gradient, as this engine and Megatron do); full recomputation adds the
-                 forward's again
+                 weight gradient, as this engine and Megatron do); full recomputation reruns the
+                 forward up to its last GEMM (PyTorch's checkpoint stops early): + 1 all-reduce,
+                 or + 2 all-gathers + 1 reduce-scatter
     cp           3 (cp - 1) sends of K and V blocks, 2 b (s / cp) H_kv x bytes each (forward K, V;
                  backward K, V and their gradients)
     ep           4 all-to-alls of k S (dispatch and combine, forward and backward)
@@ -131,9 +132,9 @@ def predict_step(
     costs = []
     if layout.tp > 1:
         per_layer = (
-            [("all_gather", 6 + 2 * full_recompute), ("reduce_scatter", 4 + 2 * full_recompute)]
+            [("all_gather", 6 + 2 * full_recompute), ("reduce_scatter", 4 + full_recompute)]
             if layout.sequence_parallel
-            else [("all_reduce", 4 + 2 * full_recompute)]
+            else [("all_reduce", 4 + full_recompute)]
         )
         costs += [Cost("tp", op, layout.tp, S, round(k * layers), link["tp"]) for op, k in per_layer]
     if layout.cp > 1:
