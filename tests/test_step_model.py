@@ -127,3 +127,24 @@ def test_the_tensor_parallel_counts_per_layer_are_what_a_dry_run_records(flags: 
 
     (four, model, m), (eight, _, _) = run(4), run(8)
     assert {op: (eight[op] - four[op]) / (4 * m) for op in eight} == {op: k / 4 for op, k in model.items()}
+
+
+def test_the_gradient_bytes_reduced_over_dp_are_what_a_dry_run_records() -> None:
+    from distlab.gpt.arguments import validate_args
+    from distlab.gpt.planning.dry_run import dry_run
+
+    argv = (
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--global-batch-size 8 --lr 1e-3 --train-iters 2 --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 200 --pipeline-model-parallel-size 2 --ddp-bucket-size 50000"
+    ).split()
+    args = parse_args(argv)
+    layout = validate_args(args, 4)  # pp 2 x dp 2
+    dry = dry_run(args, layout, 0)
+    recorded = sum(
+        c.nbytes for c in dry.collectives if c.group == "dp" and c.op == "all_reduce" and c.nbytes > 4
+    )
+    model = [c for c in predict_step(args, layout, _hw(), 256, dry.parameters).costs if c.dim == "dp"]
+    assert recorded == sum(c.nbytes * c.count for c in model) == 4 * dry.parameters
+    calls = [c for c in dry.collectives if c.group == "dp" and c.op == "all_reduce" and c.nbytes > 4]
+    assert model[0].count == len(calls)  # --ddp-bucket-size 50000: as many buckets

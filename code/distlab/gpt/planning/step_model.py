@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from distlab.comm.bench import BUS_FACTOR
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.distributed.grad_buckets import default_bucket_size
 from distlab.gpt.layout import Layout
 from distlab.gpt.planning.hardware import Hardware, Link
 from distlab.gpt.training.flops import model_flops_per_iteration, recomputed_layers
@@ -178,7 +179,7 @@ def predict_step(
 def _data_parallel_costs(
     args: PretrainArgs, layout: Layout, hw: Hardware, n: float, distributed: bool, m: int
 ) -> list[Cost]:
-    """The gradients' reduction over dp x cp: Megatron's buckets (max(4e7, 1e6 d) elements) of fp32
+    """The gradients' reduction over dp x cp: buckets (--ddp-bucket-size, Megatron's default) of fp32
     gradients (bf16 with --grad-reduce-in-bf16) all-reduced, or reduce-scattered and the half
     parameters all-gathered (distributed optimizer); FSDP: per micro-batch two all-gathers of the
     half parameters (forward, backward) and one reduce-scatter of fp32 gradients."""
@@ -193,7 +194,7 @@ def _data_parallel_costs(
             Cost("dp", "all_gather", d, n * param_bytes, 2 * m, link),
             Cost("dp", "reduce_scatter", d, n * grad_bytes, m, link),
         ]
-    buckets = max(1, math.ceil(n / max(40_000_000, 1_000_000 * d)))
+    buckets = max(1, math.ceil(n / (args.ddp_bucket_size or default_bucket_size(d))))
     per = n / buckets
     if not distributed:
         return [Cost("dp", "all_reduce", d, per * grad_bytes, buckets, link)]
