@@ -15,6 +15,7 @@ from distlab.gpt.arguments.backends import (
     _torch_compile_errors,
     _torch_fsdp2_errors,
 )
+from distlab.gpt.arguments.distrib_optimizer_rules import distributed_optimizer_errors
 from distlab.gpt.arguments.groups import PretrainArgs
 from distlab.gpt.arguments.parser import parse_split, profile_ranks
 from distlab.gpt.layout import (
@@ -65,6 +66,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_context_parallel_errors(args, layout),
         *_interleaving_errors(args, layout),
         *_grad_reduce_errors(args, layout),
+        *distributed_optimizer_errors(args, layout),
     ]
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))

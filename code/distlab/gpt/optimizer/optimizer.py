@@ -21,19 +21,29 @@ from torch import nn
 from distlab.gpt.arguments import PretrainArgs
 
 
-def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimizer:
-    """AdamW (Megatron's ``adam`` decouples weight decay) or SGD; no decay on biases and norms."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if name.endswith(".bias") or ".ln" in name or name.startswith("ln") else decay).append(p)
+def decays(name: str) -> bool:
+    """Weight decay for every parameter but biases and norms (Megatron's default groups)."""
+    return not (name.endswith(".bias") or ".ln" in name or name.startswith("ln"))
+
+
+def make_optimizer(groups: tuple[list, list], args: PretrainArgs) -> torch.optim.Optimizer:
+    """AdamW (Megatron's ``adam`` decouples weight decay) or SGD over (decayed, not decayed)."""
+    decay, no_decay = groups
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if args.optimizer in ("adam", "adamw"):
         return torch.optim.AdamW(
             groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps
         )
     return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+
+
+def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimizer:
+    """:func:`make_optimizer` over the model's trainable parameters."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if decays(name) else no_decay).append(p)
+    return make_optimizer((decay, no_decay), args)
 
 
 class LRSchedule:

@@ -1,0 +1,134 @@
+"""--use-distributed-optimizer (Megatron's ZeRO-1): the same training as the plain optimizer, with
+fp32 main parameters and Adam's moments sharded over dp x cp.
+
+A tiny GPT (4 layers, hidden 32) trains 3 AdamW steps on global batches of 16 samples (b 2, dp 4,
+m 2): with the distributed optimizer, --overlap-grad-reduce and --overlap-param-gather and small
+buckets (8 of them, so the reduce-scatters and the chain of all-gathers really interleave with
+backward and forward), its fp32 losses equal one process's (m 8) within 1e-5 and its parameters
+equal the non-overlapped distributed run's bit for bit; dp 2 x tp 2 with sequence parallelism
+equals one process too; bf16 against the plain optimizer's bf16; each rank's optimizer state is
+Megatron's 12/d (bf16) or 8/d (fp32) bytes per parameter exactly.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer, bytes_per_parameter
+from distlab.gpt.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from distlab.gpt.layout import Layout
+from distlab.gpt.optimizer.optimizer import build_optimizer, decays, make_optimizer
+from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.training.training import LocalBackend, train_step
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from tests.conftest import run_gloo
+
+pytestmark = pytest.mark.timeout(180)
+
+CFG = GPTConfig(
+    num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128, max_position_embeddings=16
+)
+B, M, STEPS, T = 2, 2, 3, 16  # micro batch b, micro-batches m per rank, steps, sequence length
+BUCKET = 5000  # elements: about half a block (12 H^2 + 13 H = 12704) per bucket
+ARGS = SimpleNamespace(
+    optimizer="adam", lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8
+)
+
+
+def _data() -> torch.Tensor:
+    """Every step's global batch: (STEPS, 16, T + 1) tokens."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, CFG.vocab_size, (STEPS, B * 4 * M, T + 1), generator=gen)  # 16 samples a step
+
+
+def distributed(model: GPTModel, state: ParallelState, dtype=torch.float32, overlap=False, bucket=BUCKET):
+    """The distributed optimizer over ``model`` (as ``build_distributed_optimizer``, without args)."""
+    names = {p: n for n, p in model.named_parameters()}
+    buffer = ParamAndGradBuffer(
+        list(model.parameters()), state, bucket_size=bucket, dtype=dtype,
+        overlap_grad_reduce=overlap, overlap_param_gather=overlap,
+    )  # fmt: skip
+    if overlap:
+        buffer.register_forward_pre_hooks(model)
+    return DistributedOptimizer(buffer, state, lambda g: make_optimizer(g, ARGS), lambda p: decays(names[p]))
+
+
+def _train(
+    state: ParallelState, dp: int, *, distopt: bool, overlap=False, dtype=torch.float32, autocast=None
+):
+    """STEPS steps of this rank's micro-batches; (losses, parameters, optimizer, overlap seen)."""
+    model = GPTModel(CFG, state)
+    opt = distributed(model, state, dtype, overlap) if distopt else build_optimizer(model, ARGS)
+    backend = LocalBackend(model, opt, state, clip_grad=1.0, bucket_size=BUCKET)
+    seen = []  # bucket 0's reduce-scatter in flight when wte's gradient is accumulated
+    if distopt:
+        model.wte.weight.register_post_accumulate_grad_hook(
+            lambda _p: seen.append(opt.buffer.buckets[0].grad_work is not None)
+        )
+    data, r, losses = _data(), state.dp_rank, []
+    mine = [range(k * B * dp + r * B, k * B * dp + (r + 1) * B) for k in range(M * 4 // dp)]
+    for step in range(STEPS):
+        batches = [(data[step, s, :-1], data[step, s, 1:]) for s in mine]  # (b, T) each
+        kwargs = {"autocast": autocast} if autocast else {}
+        losses.append(train_step(backend, batches, state=state, **kwargs).loss)
+        if distopt and overlap:
+            assert opt.buffer.pending, "no all-gather left for the next forward to wait for"
+    if distopt:
+        opt.buffer.finish_param_sync()
+    return losses, [p.detach().float().clone() for p in model.parameters()], opt, seen
+
+
+def _dp4_rank(ctx) -> None:
+    state = ParallelState.build(Layout(4))
+    losses, params, _, seen = _train(state, 4, distopt=True, overlap=True)
+    plain_losses, plain, _, _ = _train(state, 4, distopt=True, overlap=False)
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(params, plain, strict=True))
+    assert seen == [False, True] * STEPS, seen  # overlapped in the last micro-batch's backward
+    single = ParallelState(Layout(1), rank=0)
+    ref_losses, ref, _, _ = _train(single, 1, distopt=False)  # m = 8 on one process
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+    for a, b in zip(ref, params, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    moved = max((a - b).abs().max() for a, b in zip(ref, GPTModel(CFG, single).parameters(), strict=True))
+    assert moved > 1e-3, "the steps did not move the parameters: the comparison proves nothing"
+
+
+def test_dp4_both_overlaps_equal_one_process() -> None:
+    run_gloo(_dp4_rank, 4, timeout_s=150)
+
+
+def _dp2_tp2_rank(ctx) -> None:
+    state = ParallelState.build(Layout(4, tp=2, sequence_parallel=True))
+    losses, _, _, _ = _train(state, 2, distopt=True, overlap=True)
+    single = ParallelState(Layout(1), rank=0)
+    ref_losses, _, _, _ = _train(single, 1, distopt=False)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+
+
+def test_dp2_tp2_sequence_parallel_equals_one_process() -> None:
+    run_gloo(_dp2_tp2_rank, 4, timeout_s=150)
+
+
+def _bytes_rank(ctx, dtype) -> None:
+    state = ParallelState.build(Layout(4))
+    _, _, opt, _ = _train(state, 4, distopt=True, dtype=dtype)
+    n = sum(b.numel for b in opt.buffer.buckets)
+    params = sum(b.param_data.numel() * b.param_data.element_size() for b in opt.buffer.buckets)
+    grads = sum(b.grad_data.numel() * 4 for b in opt.buffer.buckets)
+    shard = sum(b.shard_size for b in opt.buffer.buckets)
+    pieces = sum(piece.numel() for _, piece, _, _ in opt.pieces)  # real elements of this rank's shards
+    moments = 8 * pieces
+    main = 4 * shard if dtype != torch.float32 else 0  # fp32: the main parameters are the buffer's
+    assert opt.state_bytes() == main + moments
+    padded = sum(b.param_data.numel() for b in opt.buffer.buckets)
+    assert padded == n == 4 * shard, "this model's buckets divide by 4: the table holds exactly"
+    per_param = (params + grads + opt.state_bytes()) / n
+    assert per_param == bytes_per_parameter(dtype, 4) == (9.0 if dtype == torch.bfloat16 else 10.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bytes_per_parameter_per_rank_are_megatrons(dtype) -> None:
+    run_gloo(_bytes_rank, 4, dtype)
