@@ -17,10 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer, bytes_per_parameter
-from distlab.gpt.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer, bytes_per_parameter
 from distlab.gpt.layout import Layout
-from distlab.gpt.optimizer.optimizer import build_optimizer, decays, make_optimizer
+from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
@@ -34,8 +33,9 @@ CFG = GPTConfig(
 B, M, STEPS, T = 2, 2, 3, 16  # micro batch b, micro-batches m per rank, steps, sequence length
 BUCKET = 5000  # elements: about half a block (12 H^2 + 13 H = 12704) per bucket
 ARGS = SimpleNamespace(
-    optimizer="adam", lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8
-)
+    optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+    decoupled_lr=None, decoupled_min_lr=None, ddp_bucket_size=BUCKET,
+)  # fmt: skip
 
 
 def _data() -> torch.Tensor:
@@ -44,16 +44,15 @@ def _data() -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (STEPS, B * 4 * M, T + 1), generator=gen)  # 16 samples a step
 
 
-def distributed(model: GPTModel, state: ParallelState, dtype=torch.float32, overlap=False, bucket=BUCKET):
-    """The distributed optimizer over ``model`` (as ``build_distributed_optimizer``, without args)."""
-    names = {p: n for n, p in model.named_parameters()}
-    buffer = ParamAndGradBuffer(
-        list(model.parameters()), state, bucket_size=bucket, dtype=dtype,
-        overlap_grad_reduce=overlap, overlap_param_gather=overlap,
-    )  # fmt: skip
-    if overlap:
-        buffer.register_forward_pre_hooks(model)
-    return DistributedOptimizer(buffer, state, lambda g: make_optimizer(g, ARGS), lambda p: decays(names[p]))
+def distributed(model: GPTModel, state: ParallelState, dtype=torch.float32, overlap=False, bf16_grads=False):
+    """``build_distributed_optimizer`` with :data:`ARGS` (and both overlaps, or neither)."""
+    args = SimpleNamespace(
+        **vars(ARGS),
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        grad_reduce_in_bf16=bf16_grads,
+    )
+    return build_distributed_optimizer(model, state, args, dtype)
 
 
 def _train(
@@ -112,23 +111,31 @@ def test_dp2_tp2_sequence_parallel_equals_one_process() -> None:
     run_gloo(_dp2_tp2_rank, 4, timeout_s=150)
 
 
-def _bytes_rank(ctx, dtype) -> None:
+def _bytes_rank(ctx, dtype, bf16_grads) -> None:
     state = ParallelState.build(Layout(4))
-    _, _, opt, _ = _train(state, 4, distopt=True, dtype=dtype)
+    model = GPTModel(CFG, state)
+    opt = distributed(model, state, dtype, bf16_grads=bf16_grads)
+    backend = LocalBackend(model, opt, state, clip_grad=1.0)
+    tokens = torch.randint(0, CFG.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(state.rank))
+    train_step(backend, [(tokens[:, :-1], tokens[:, 1:])], state=state)  # Adam's moments now exist
     n = sum(b.numel for b in opt.buffer.buckets)
     params = sum(b.param_data.numel() * b.param_data.element_size() for b in opt.buffer.buckets)
-    grads = sum(b.grad_data.numel() * 4 for b in opt.buffer.buckets)
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in opt.buffer.buckets)
     shard = sum(b.shard_size for b in opt.buffer.buckets)
-    pieces = sum(piece.numel() for _, piece, _, _ in opt.pieces)  # real elements of this rank's shards
-    moments = 8 * pieces
-    main = 4 * shard if dtype != torch.float32 else 0  # fp32: the main parameters are the buffer's
-    assert opt.state_bytes() == main + moments
-    padded = sum(b.param_data.numel() for b in opt.buffer.buckets)
-    assert padded == n == 4 * shard, "this model's buckets divide by 4: the table holds exactly"
+    assert sum(b.param_data.numel() for b in opt.buffer.buckets) == n == 4 * shard, "no padding here"
+    pieces = sum(piece.numel() for _, _, piece, _ in opt.pieces)  # this rank's elements
+    assert pieces == shard == n // 4
+    main = 4 * shard * ((dtype != torch.float32) + bf16_grads)  # fp32 copies of bf16 tensors
+    assert opt.state_bytes() == main + 8 * pieces  # + exp_avg and exp_avg_sq, fp32
     per_param = (params + grads + opt.state_bytes()) / n
-    assert per_param == bytes_per_parameter(dtype, 4) == (9.0 if dtype == torch.bfloat16 else 10.0)
+    grad_dtype = torch.bfloat16 if bf16_grads else torch.float32
+    assert per_param == bytes_per_parameter(dtype, 4, grad_dtype)
+    assert per_param == {torch.float32: 10.0, torch.bfloat16: 8.0 if bf16_grads else 9.0}[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bytes_per_parameter_per_rank_are_megatrons(dtype) -> None:
-    run_gloo(_bytes_rank, 4, dtype)
+@pytest.mark.parametrize(
+    ("dtype", "bf16_grads"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_bytes_per_parameter_per_rank_are_megatrons(dtype, bf16_grads) -> None:
+    """8 + 8/4 = 10 (fp32), 6 + 12/4 = 9 (bf16), 4 + 16/4 = 8 (bf16 with --grad-reduce-in-bf16)."""
+    run_gloo(_bytes_rank, 4, dtype, bf16_grads)

@@ -4,7 +4,7 @@
 Contract. The dense parameters, cut into the buckets of ``grad_buckets.assign_buckets`` (reverse
 registration order, ``--ddp-bucket-size`` elements), are copied into one flat buffer per bucket
 and become views of it (``p.data``), in the model's dtype; each gets ``p.main_grad``, a view of a
-flat fp32 gradient buffer of the same layout. Each bucket is padded to a multiple of
+flat gradient buffer of the same layout, fp32 (bf16 with ``--grad-reduce-in-bf16``). Each bucket is padded to a multiple of
 ``d = dp x cp`` (``state.dp_cp_group``) and cut into ``d`` equal shards; rank ``r`` owns
 ``[r S, (r + 1) S)`` with ``S = padded / d``::
 
@@ -17,7 +17,7 @@ flat fp32 gradient buffer of the same layout. Each bucket is padded to a multipl
     all_gather      param_buffer = concat_r shard_r(param_buffer)      (one per bucket)
 
 Bytes per parameter on a rank (parameters in ``k`` bytes): ``k`` for the parameter and 4 for its
-fp32 gradient here; ``distrib_optimizer.py`` adds the 12 / d (bf16: fp32 main copy + two moments)
+fp32 gradient here (2 in bf16); ``distrib_optimizer.py`` adds the 12 / d (bf16: fp32 main copy + two moments)
 or 8 / d (fp32: the moments; the parameter is its own main copy).
 
 ``overlap_grad_reduce``: the last gradient of a bucket accumulated during the step's last
@@ -43,12 +43,14 @@ from distlab.gpt.parallel_state import ParallelState
 class Bucket:
     """One bucket's buffers, this rank's shard of them, and its collectives in flight."""
 
-    def __init__(self, params: list[nn.Parameter], d: int, rank: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], d: int, rank: int, dtype: torch.dtype, grad_dtype: torch.dtype
+    ) -> None:
         self.params, self.numel = params, sum(p.numel() for p in params)
         self.shard_size = -(-self.numel // d)  # S = ceil(n / d)
         device = params[0].device
         self.param_data = torch.zeros(self.shard_size * d, dtype=dtype, device=device)  # (S d,)
-        self.grad_data = torch.zeros(self.shard_size * d, dtype=torch.float32, device=device)  # (S d,)
+        self.grad_data = torch.zeros(self.shard_size * d, dtype=grad_dtype, device=device)  # (S d,)
         self.offsets, offset = [], 0
         for p in params:
             self.offsets.append(offset)
@@ -76,6 +78,7 @@ class ParamAndGradBuffer:
         *,
         bucket_size: int,
         dtype: torch.dtype,
+        grad_dtype: torch.dtype = torch.float32,  # --grad-reduce-in-bf16: bf16
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         hold: torch.Tensor | None = None,  # its bucket waits for finish (the tied embedding)
@@ -84,7 +87,9 @@ class ParamAndGradBuffer:
         rank = dist.get_rank(self.group) if self.d > 1 else 0
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         dense = [p for p in params if p.requires_grad]
-        self.buckets = [Bucket(b, self.d, rank, dtype) for b in assign_buckets(dense, bucket_size)]
+        self.buckets = [
+            Bucket(b, self.d, rank, dtype, grad_dtype) for b in assign_buckets(dense, bucket_size)
+        ]
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.params}
         self.held = {self.bucket_of[hold]} if hold is not None and hold in self.bucket_of else set()
         self.pending: set[int] = set()  # buckets whose all-gather has not been waited for
@@ -93,7 +98,7 @@ class ParamAndGradBuffer:
             p.register_post_accumulate_grad_hook(self._accumulate)
 
     def _accumulate(self, p: nn.Parameter) -> None:
-        """Hook: ``p.main_grad += p.grad`` (fp32), drop ``p.grad``; a full bucket may start."""
+        """Hook: ``p.main_grad += p.grad``, drop ``p.grad``; a full bucket may start."""
         p.main_grad.add_(p.grad)
         p.grad = None
         i = self.bucket_of[p]

@@ -122,6 +122,7 @@ class LocalBackend:
         scaler: DynamicLossScaler | None = None,
         overlap_grad_reduce: bool = False,
         bucket_size: int | None = None,  # elements, --ddp-bucket-size (default Megatron's)
+        reduce_dtype: torch.dtype | None = None,  # --grad-reduce-in-bf16: the buckets' all-reduce dtype
     ) -> None:
         self.module, self.optimizer, self.state = model, optimizer, state
         self.clip_grad, self.scaler = clip_grad, scaler
@@ -129,7 +130,13 @@ class LocalBackend:
         self.grad_buckets = (
             optimizer.buffer  # --use-distributed-optimizer: reduce-scatters in its own buckets
             if isinstance(optimizer, DistributedOptimizer)
-            else GradBuckets(list(model.parameters()), state, bucket_size=size, overlap=overlap_grad_reduce)
+            else GradBuckets(
+                list(model.parameters()),
+                state,
+                bucket_size=size,
+                overlap=overlap_grad_reduce,
+                reduce_dtype=reduce_dtype,
+            )
         )
 
     def zero_grad(self) -> None:
