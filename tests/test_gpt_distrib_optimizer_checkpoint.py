@@ -1,12 +1,13 @@
-"""Checkpoints of --use-distributed-optimizer in both formats: exact resume, and a run saved with
-dp 4 loaded with dp 2.
+"""--use-distributed-optimizer through ``pretrain``: checkpoints in both formats (exact resume, and
+a run saved with dp 4 loaded with dp 2), and pipeline and context parallelism.
 
 For each of ``--ckpt-format torch`` (the shards gathered whole on dp rank 0) and ``torch_dist``
 (each rank's shard a ``Shard(0)`` DTensor of its bucket): an uninterrupted fp32 run of 6
 iterations on 4 gloo ranks (dp 4, both overlaps, small buckets) saves at 3 and 6; resumed from 3
 with dp 4 it gives the same losses to the bit; resumed with dp 2 (2 micro-batches per rank, the
 same global batch of 8) within 1e-5 (the sums run in another order). Loading it without the flag
-is refused naming the flag.
+is refused naming the flag. pp 2 x dp 2 and cp 2 x dp 2 give the plain optimizer's losses and
+gradient norms.
 """
 
 from __future__ import annotations
@@ -61,3 +62,22 @@ def test_resume_exactly_and_with_half_the_data_parallel_ranks(data, tmp_path, fm
         Exception, match="written with --use-distributed-optimizer|holds a distributed optimizer"
     ):
         _resume_from_3(tmp_path / "full", tmp_path / "plain", plain, 2)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", "2"]],
+    ids=["pp2-dp2", "cp2-dp2"],
+)
+def test_pipeline_and_context_parallel_equal_the_plain_optimizer(data, tmp_path, layout) -> None:
+    """pp 2 (the tied embedding's two stages summed before its bucket's reduce-scatter) and cp 2
+    (shards over the dp x cp group: d = 4), fp32: the losses and norms of the plain optimizer."""
+    argv = [*TINY, *data, *STEPS, *layout, "--ddp-bucket-size", "3000"]
+    plain = spawn_pretrain(argv, 4, tmp_path / "plain")
+    mine = spawn_pretrain([*argv, "--use-distributed-optimizer"], 4, tmp_path / "distopt")
+    d = 2 if layout[0].startswith("--pipeline") else 4
+    assert f"8 + 8/d = {8 + 8 / d:g} bytes per parameter per rank" in mine.log
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(
+            torch.tensor(mine.last[key]), torch.tensor(plain.last[key]), rtol=1e-5, atol=1e-5
+        )
