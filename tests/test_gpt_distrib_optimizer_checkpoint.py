@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.memory.meters import MiB
 from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+from distlab.logs.formats import MEMORY
 from tests.test_gpt_training import TINY
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,6 +50,11 @@ def test_resume_exactly_and_with_half_the_data_parallel_ranks(data, tmp_path, fm
         [*argv, "--save", str(tmp_path / "full"), "--save-interval", "3"], 4, tmp_path / "f"
     )
     assert "8 + 8/d = 10 bytes per parameter per rank" in full.log  # fp32, d = 4
+    for line in MEMORY.parse(full.log):  # each rank's report: 4 + 4 + 8/4 bytes per value
+        n = line["values"]
+        assert line["params_mib"] == pytest.approx(4 * n / MiB, abs=0.01)
+        assert line["grads_mib"] == pytest.approx(4 * n / MiB, abs=0.01)  # the buffers (+ padding)
+        assert line["optim_mib"] == pytest.approx(8 * n / 4 / MiB, abs=0.01)
     same = _resume_from_3(tmp_path / "full", tmp_path / "dp4", argv, 4)
     assert same.last["iterations"] == [4, 5, 6]
     assert same.last["losses"] == full.last["losses"][3:]

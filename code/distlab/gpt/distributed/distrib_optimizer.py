@@ -10,7 +10,7 @@ element-wise, so shards change nothing but where each element is updated::
     step                AdamW on the fp32 main shard; param shard <- main shard (cast)
     start_param_sync    whole parameters again                     (all-gather per bucket)
 
-Bytes per parameter per rank (Megatron's ``dist_optimizer.md`` table)::
+Bytes per parameter per rank (Megatron-LM's table, ``docs/user-guide/features/dist_optimizer.md``)::
 
     bf16 parameters    2 (param) + 4 (fp32 grad) + (4 main + 4 + 4 moments) / d  =  6 + 12 / d
     fp32 parameters    4 (param) + 4 (fp32 grad) + (4 + 4 moments) / d          =  8 +  8 / d

@@ -174,7 +174,8 @@ class LocalBackend:
         return StepOutcome(grads.norm, skipped=False)
 
     def close(self) -> None:
-        pass
+        if isinstance(self.optimizer, DistributedOptimizer):  # no all-gather left in flight
+            self.optimizer.buffer.finish_param_sync()
 
 
 def train_step(
