@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.memory.meters import MiB
@@ -64,11 +65,19 @@ def test_resume_exactly_and_with_half_the_data_parallel_ranks(data, tmp_path, fm
     torch.testing.assert_close(
         torch.tensor(half.last["losses"]), torch.tensor(full.last["losses"][3:]), rtol=0, atol=1e-5
     )
+    if fmt == "torch_dist":  # each of the 4 ranks wrote its own chunk of every bucket's moments
+        folder = str(tmp_path / "full" / "iter_0000003")
+        chunks = FileSystemReader(folder).read_metadata().state_dict_metadata
+        chunks = chunks["optimizer.distrib.pp0.bucket0.exp_avg"].chunks
+        assert sorted(c.offsets[0] for c in chunks) == [i * chunks[0].sizes[0] for i in range(4)]
     plain = [*TINY, *data, *STEPS, "--ckpt-format", fmt]
     with pytest.raises(
         Exception, match="written with --use-distributed-optimizer|holds a distributed optimizer"
     ):
         _resume_from_3(tmp_path / "full", tmp_path / "plain", plain, 2)
+    other = [*TINY, *data, *STEPS, *DISTOPT[:-1], "5000", "--ckpt-format", fmt]  # other buckets
+    with pytest.raises(Exception, match="load it with the --ddp-bucket-size it was saved with"):
+        _resume_from_3(tmp_path / "full", tmp_path / "buckets", other, 2)
 
 
 @pytest.mark.parametrize(

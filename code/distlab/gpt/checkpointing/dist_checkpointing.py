@@ -124,12 +124,17 @@ def _distributed_optimizer_state(optimizer: DistributedOptimizer) -> dict:
     return out
 
 
-def _load_distributed_optimizer(optimizer: DistributedOptimizer, saved: dict, loaded: dict) -> None:
-    """Check the saved buckets against this run's, then put the loaded shards in place."""
+def _check_distributed_layout(optimizer: DistributedOptimizer, saved: dict) -> None:
+    """The saved buckets (DCP's metadata) must be this run's, before ``dcp.load`` reads any."""
     pp_rank = optimizer.parallel.pp_rank
     keys = {k for k in saved if k.startswith(f"optimizer.distrib.pp{pp_rank}.") and k.endswith(".param")}
     numels = [saved[f"optimizer.distrib.pp{pp_rank}.bucket{i}.param"].size[0] for i in range(len(keys))]
     check_layout(numels, [b.numel for b in optimizer.buffer.buckets])
+
+
+def _load_distributed_optimizer(optimizer: DistributedOptimizer, loaded: dict) -> None:
+    """Put the loaded shards in place (``loaded``: :func:`_distributed_optimizer_state`'s, filled)."""
+    pp_rank = optimizer.parallel.pp_rank
     if not loaded["step"]:
         return  # saved before the first step
     for i, bucket in enumerate(optimizer.buffer.buckets):
@@ -236,13 +241,15 @@ def load_checkpoint(
             f"--use-distributed-optimizer: load it {'with' if distrib else 'without'} the flag, or "
             f"with --no-load-optim"
         )
+    if with_optimizer and distrib:
+        _check_distributed_layout(optimizer, saved)
     state_dict = _state_dict(model, optimizer, with_optimizer=with_optimizer)  # this run's, to be filled
     dcp.load(state_dict, checkpoint_id=folder)
     set_model_state_dict(model, state_dict["model"], options=OPTIONS)
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.main_from_params()
     if with_optimizer and distrib:
-        _load_distributed_optimizer(optimizer, saved, state_dict["optimizer"]["distrib"])
+        _load_distributed_optimizer(optimizer, state_dict["optimizer"]["distrib"])
     elif with_optimizer:
         set_optimizer_state_dict(model, optimizer, state_dict["optimizer"], options=OPTIONS)
     rngs, (tp_rank, pp_rank, _) = common["rng"], _coords(state)
