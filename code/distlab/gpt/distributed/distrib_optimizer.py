@@ -16,9 +16,10 @@ Bytes per parameter per rank (Megatron-LM's table, ``docs/user-guide/features/di
     fp32 parameters    4 (param) + 4 (fp32 grad) + (4 + 4 moments) / d          =  8 +  8 / d
 
 against 18 and 16 without (d = 1). With ``--grad-reduce-in-bf16`` the gradient buffer is bf16 and
-the fp32 main gradients are sharded too: ``2 + 2 + 16 / d`` (the table's fp16 row). With fp32 parameters the main parameter is the parameter's own
-shard (a view); with bf16 the model's weights are bf16 and the fp32 main copy lives here only.
-Padding (at most d - 1 elements per bucket) is in the buffers but has no moments.
+the fp32 main gradients are sharded too: ``2 + 2 + 16 / d`` (the table's fp16 row). With fp32
+parameters the main parameter is the parameter's own shard (a view); with bf16 the model's weights
+are bf16 and the fp32 main copy lives here only. Padding (under d elements per bucket) is in the
+buffers but has no moments.
 """
 
 from __future__ import annotations
