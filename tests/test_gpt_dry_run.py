@@ -1,10 +1,11 @@
 """A dry run (one rank on the meta device, fake process group) against a real run of the same layout.
 
-Gloo ranks build the tiny GPT for real (tp 2 x pp 2 x dp 2 with sequence parallelism; cp 2 with
-pp 2 x v 2 x dp 2; experts over ep 2 of dp 4) and record the collectives of one step's
-forward/backward, gradient reduction and norm; the dry run of every rank of the same layout must
-find the same parameters and the same collectives (operation, group, size, bytes, count). The 70B-shaped dry run of the issue runs from the command line in a
-subprocess and must finish within its budget.
+Gloo ranks build the tiny GPT for real (tp 2 x pp 2 x dp 2 with sequence parallelism; cp 2 x
+pp 2; pp 2 x v 2 x dp 2; tp 2 x dp 2 with the distributed optimizer; experts over ep 2 of dp 4)
+and record the collectives of one training step (LocalBackend: forward/backward, the gradients'
+reduction, norm and step); the dry run of every rank of the same layout must find the same
+parameters and the same collectives (operation, group, size, bytes, count). The 70B-shaped dry
+run of the issue runs from the command line in a subprocess and must finish within its budget.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ LAYOUTS = {
             *DATA,
             *"--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2".split(),
         ],
+    ),
+    "tp2-dp2-distopt": (
+        4,
+        [*TINY_GPT_ARGV, *DATA, *"--tensor-model-parallel-size 2 --use-distributed-optimizer".split()],
     ),
     "dp4-ep2": (
         4,
@@ -94,6 +99,7 @@ def test_dry_runs_find_the_parameters_and_collectives_of_a_real_run(tmp_path: Pa
         "cp2-pp2": {"cp", "pp"},
         "pp2-v2-dp2": {"pp", "dp"},
         "dp4-ep2": {"ep", "dp"},
+        "tp2-dp2-distopt": {"tp", "dp"},
     }
     assert {r[1] for r in real["calls"]} >= groups[name]  # every group of the layout was seen
 
@@ -116,7 +122,7 @@ LLAMA_70B = (
     "--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 --seq-length 8192 "
     "--max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 128 --train-iters 10 --lr 1e-4 "
     "--mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --tensor-model-parallel-size 8 "
-    "--pipeline-model-parallel-size 8 --sequence-parallel --bf16 --dry-run-world-size 1024"
+    "--pipeline-model-parallel-size 8 --sequence-parallel --bf16 --use-distributed-optimizer --dry-run-world-size 1024"
 ).split()
 
 
@@ -131,4 +137,13 @@ def test_a_70b_shaped_dry_run_of_1024_ranks_ends_within_60_s(rank: int) -> None:
     assert elapsed < 60, f"{elapsed:.1f} s"
     assert f"> dry run: rank {rank} of 1024" in out.stdout
     assert "with distributed optimizer" in out.stdout and "GiB" in out.stdout
-    assert ("embedding" in out.stdout) and (" tp " in out.stdout or "tp  " in out.stdout)
+    assert ("embedding" in out.stdout) == (rank == 0 or rank == 1023)  # the tied embedding's two stages
+    assert "reduce_scatter" in out.stdout and "all_gather" in out.stdout  # SP and the distributed optimizer
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_state_bytes_are_the_distributed_optimizers_own(precision: str, dtype: torch.dtype) -> None:
+    from distlab.gpt.distributed.distrib_optimizer import bytes_per_parameter
+
+    for d in (1, 2, 16):
+        assert sum(model_states(1, precision, d, True)) == pytest.approx(bytes_per_parameter(dtype, d))

@@ -8,8 +8,8 @@ dry run prints can be checked against the list a real step issues (``tests/test_
 Bytes of one call, NCCL-tests' "size" convention (the whole buffer, not what one rank sends)::
 
     all_reduce, broadcast           the tensor
-    all_gather                      the gathered output: p x the input
-    reduce_scatter                  the input: p x the output
+    all_gather (_single)            the gathered output: p x the input
+    reduce_scatter (_single)        the input: p x the output
     all_to_all_single               the input
     send, recv (batch_isend_irecv)  the tensor of each P2P operation
 
@@ -82,6 +82,14 @@ def record_collectives(state: ParallelState | None = None) -> Iterator[list[Coll
         note("reduce_scatter", group, sum(_bytes(t) for t in input_list))
         return originals["reduce_scatter"](output, input_list, op=op, group=group, async_op=async_op)
 
+    def all_gather_single(output, input, group=None, async_op=False):
+        note("all_gather", group, _bytes(output))
+        return originals["all_gather_single"](output, input, group=group, async_op=async_op)
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        note("reduce_scatter", group, _bytes(input))
+        return originals["reduce_scatter_single"](output, input, op=op, group=group, async_op=async_op)
+
     def all_to_all_single(output, input, *args, group=None, **kw):
         note("all_to_all", group, _bytes(input))
         return originals["all_to_all_single"](output, input, *args, group=group, **kw)
@@ -92,7 +100,12 @@ def record_collectives(state: ParallelState | None = None) -> Iterator[list[Coll
         return originals["batch_isend_irecv"](ops)
 
     wrappers = {f.__name__: f for f in (all_reduce, broadcast, all_gather, reduce_scatter)}
-    wrappers |= {"all_to_all_single": all_to_all_single, "batch_isend_irecv": batch_isend_irecv}
+    wrappers |= {
+        "all_gather_single": all_gather_single,
+        "reduce_scatter_single": reduce_scatter_single,
+        "all_to_all_single": all_to_all_single,
+        "batch_isend_irecv": batch_isend_irecv,
+    }
     originals = {name: getattr(dist, name) for name in wrappers}
     for name, wrapper in wrappers.items():
         setattr(dist, name, functools.wraps(originals[name])(wrapper))

@@ -23,11 +23,13 @@ forward/backward, gradient reduction and norm on meta tensors, recording every c
     collectives      of one step, per group: operation, group size, bytes per call, count
 
 With --bf16 or --fp16 the meta model is cast to the half dtype, as Megatron-LM keeps its weights
-on the GPU (activations and pipeline messages travel in it; the engine itself computes under
-autocast from fp32 weights). The gradient collectives are this engine's (the dp all-reduce of fp32
-buckets, as Megatron's DDP without the distributed optimizer); the distributed optimizer replaces
-that all-reduce by a reduce-scatter of the same bytes and an all-gather of the half parameters
-(``step_model.py`` counts it so). Left out: the loss's mean (one fp32 scalar all-reduced over dp x
+on the GPU (activations and pipeline messages travel in it; without the distributed optimizer the
+engine itself computes under autocast from fp32 weights). The step runs through the engine's own
+back end (``LocalBackend``): the dp all-reduce of fp32 gradient buckets (Megatron's DDP), or with
+--use-distributed-optimizer its reduce-scatters of the fp32 gradient buckets and all-gathers of the
+parameters (``distributed/distrib_optimizer.py``); the norm's value, which meta tensors lack, ends
+the step after its last reduction, and the distributed optimizer's all-gathers are started then.
+Left out: the loss's mean (one fp32 scalar all-reduced over dp x
 cp and broadcast over pp), whose value a dry run does not have. With experts (``--num-experts``)
 the step is not run: the token routing splits tensors by counts computed from the values (the
 all-to-all's splits), which meta tensors do not have; parameters and memory are still printed.
@@ -44,15 +46,15 @@ import torch.distributed as dist
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.build import build_forward_backward, build_model
 from distlab.gpt.data.tokenizers import TokenizerSpec
-from distlab.gpt.distributed.grad_buckets import GradBuckets, default_bucket_size
-from distlab.gpt.distributed.gradients import grad_norm, reduce_gradients
+from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer
 from distlab.gpt.interfaces import MicroBatch
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemoryEstimate, MemorySetup, activation_bytes
+from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.planning.collectives import Collective, record_collectives, summarize
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
-from distlab.gpt.training.training import forward_backward
+from distlab.gpt.training.training import LocalBackend, forward_backward
 
 GiB = 2**30
 #: Bytes per parameter (parameters, gradients, optimizer) by precision, without and with the
@@ -159,21 +161,33 @@ def meta_batches(layout: Layout, seq_length: int, device: torch.device) -> list[
 def step_collectives(
     args: PretrainArgs, state: ParallelState, model, batches: list[MicroBatch]
 ) -> list[Collective]:
-    """Forward/backward of ``batches``, then the gradients' reduction (dp buckets of Megatron's
-    default size, tied embedding, sequence-parallel weights) and norm, recording the collectives.
-    The same on meta tensors under a fake group (a dry run) and on real ones (its test)."""
+    """One training step of ``batches`` through the engine's own back end (``LocalBackend``:
+    forward/backward, the gradients' reduction in dp buckets or, with --use-distributed-optimizer,
+    its reduce-scatters, the norm, the step and its all-gathers), recording the collectives. The
+    same on meta tensors under a fake group (a dry run) and on real ones (its test)."""
     device = batches[0][0].device
     dtype = next(model.parameters()).dtype
     run = build_forward_backward(args, state, device, None, dtype) if state.pp > 1 else forward_backward
-    params = list(model.parameters())
-    size = args.ddp_bucket_size or default_bucket_size(state.dp * state.cp)
+    if args.use_distributed_optimizer:
+        optimizer = build_distributed_optimizer(model, state, args, dtype)
+    else:
+        optimizer = build_optimizer(model, args)
     # Megatron's DDP reduces its fp32 main grads (--grad-reduce-in-bf16: in bf16), whatever the weights' dtype
     reduce_dtype = torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32
-    buckets = GradBuckets(params, state, bucket_size=size, overlap=False, reduce_dtype=reduce_dtype)
+    backend = LocalBackend(model, optimizer, state, clip_grad=args.clip_grad, bucket_size=args.ddp_bucket_size,
+                           overlap_grad_reduce=args.overlap_grad_reduce, reduce_dtype=reduce_dtype)  # fmt: skip
     with record_collectives(state) as calls:
-        run(model, batches)
-        reduce_gradients(params, model.tied_embedding(), state, buckets)
-        grad_norm(params, state)
+        backend.zero_grad()
+        run(model, batches, backward=backend.backward)
+        try:
+            backend.step()
+        except (RuntimeError, NotImplementedError):
+            if not device.type == "meta":
+                raise
+            # meta: the norm has no value to test (float(norm)), after every reduction was issued;
+            # what the step would do next is the distributed optimizer's all-gather
+            if args.use_distributed_optimizer:
+                optimizer.buffer.start_param_sync()
     return calls
 
 
