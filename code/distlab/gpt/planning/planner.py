@@ -84,6 +84,8 @@ def candidate_layouts(args: PretrainArgs, world: int, hw: Hardware, micro_batch_
             try:
                 layout = Layout(world, tp=tp, pp=pp, cp=cp, micro_batch_size=b, global_batch_size=B, vp=v,
                                 sequence_parallel=tp > 1)  # fmt: skip
+                layout.validate_model(num_layers=L, num_attention_heads=heads, hidden_size=args.hidden_size,
+                                      seq_length=s)  # fmt: skip
             except ValueError:
                 continue
             out.append(layout)
