@@ -44,9 +44,10 @@ def job_folder(job_id: str) -> Path:
 
 
 def stacks_command(job_id: str, node: str, pids: list[int]) -> list[str]:
-    """One overlapping step on ``node`` that dumps the stacks of ``pids`` (py-spy beside this Python)."""
+    """One overlapping step on ``node`` that dumps the stacks of ``pids`` (py-spy beside this Python;
+    ``--nonblocking``: it reads the memory without pausing, which a SIGSTOPped process refuses)."""
     py_spy = shlex.quote(str(Path(sys.executable).with_name("py-spy")))
-    dumps = "; ".join(f"echo '--- pid {pid}'; {py_spy} dump --pid {pid}" for pid in pids)
+    dumps = "; ".join(f"echo '--- pid {pid}'; {py_spy} dump --nonblocking --pid {pid}" for pid in pids)
     return ["srun", f"--jobid={job_id}", "--overlap", "-N1", "-n1", f"--nodelist={node}", "bash", "-c", dumps]
 
 

@@ -284,6 +284,20 @@ class LoggingArgs:
 
 
 @dataclass
+class StragglerArgs:
+    """Megatron's ``_add_straggler_detector_args`` (``training/straggler.py``)."""
+
+    log_straggler: bool = _f(
+        False, "every --log-interval: min/max per-rank forward-backward time and TFLOP/s, with their ranks"
+    )
+    straggler_ctrlr_port: int = _f(65535, "rank 0 listens here; each HTTP request toggles the detector")
+    straggler_minmax_count: int = _f(1, "N > 1: also print the N ranks of lowest and highest TFLOP/s")
+    disable_straggler_on_startup: bool = _f(
+        False, "start with the detector off (turn it on through the port)"
+    )
+
+
+@dataclass
 class MoEArgs:
     """Mixture of experts (Megatron's ``_add_moe_args``)."""
 
@@ -327,6 +341,7 @@ class DeepSpeedArgs:
 class PretrainArgs(
     DeepSpeedArgs,
     MoEArgs,
+    StragglerArgs,
     LoggingArgs,
     DataArgs,
     ValidationArgs,

@@ -42,7 +42,7 @@ from distlab.gpt.arguments.groups import SIGNALS
 
 #: Seconds a rank that timed out waits for the other ranks' flight-record dumps: the ranks that
 #: time out do so within about one iteration of each other; the report comes within the timeout + 30 s.
-HANG_GRACE_S = 20.0
+HANG_GRACE_S = 10.0
 
 
 class ExitSignal:

@@ -44,6 +44,7 @@ from distlab.gpt.interfaces import (
 )
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.training.log import Timer
 from distlab.gpt.transformer.model import GPTModel
 
 
@@ -173,11 +174,15 @@ def train_step(
     """The one step loop: zero grads, forward/backward every micro-batch through the back end's
     hook, the mean loss over the data-parallel ranks, the back end's optimizer step."""
     backend.zero_grad()
+    timer = Timer(batches[0][0].device)
     loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
+    forward_backward_ms = 1000 * timer.lap()  # before the loss and gradient reductions wait for others
     loss = reduce_loss(loss, state)
     outcome = backend.step()
     nan = not math.isfinite(loss) or outcome.nonfinite
-    return StepResult(loss, outcome.grad_norm, skipped=outcome.skipped, nan=nan)
+    return StepResult(
+        loss, outcome.grad_norm, skipped=outcome.skipped, nan=nan, forward_backward_ms=forward_backward_ms
+    )
 
 
 @torch.no_grad()
