@@ -18,6 +18,7 @@ when a rank wrote none).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -43,25 +44,35 @@ def job_folder(job_id: str) -> Path:
     return Path(work_dir) / f"flight_recorder_{job_id}"
 
 
-def stacks_command(job_id: str, node: str, pids: list[int]) -> list[str]:
-    """One overlapping step on ``node`` that dumps the stacks of ``pids`` (py-spy beside this Python;
-    ``--nonblocking``: it reads the memory without pausing, which a SIGSTOPped process refuses)."""
+def job_nodes(job_id: str) -> list[str]:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    found = re.search(r"\bNodeList=(\S+)", shown.stdout)
+    if found is None or found.group(1) == "(null)":
+        raise SystemExit(f"diagnose_hang: job {job_id} runs on no node (scontrol show job {job_id})")
+    names = subprocess.run(["scontrol", "show", "hostnames", found.group(1)], capture_output=True, text=True)
+    return names.stdout.split()
+
+
+def stacks_command(job_id: str, node: str) -> list[str]:
+    """One step overlapping the job on ``node``: its ranks there (``distlab.fault_agent pids``: node,
+    rank, pid) and each one's Python stack (``py-spy dump --nonblocking``: it reads the memory
+    without pausing the process, which a SIGSTOPped process would refuse)."""
+    python = shlex.quote(sys.executable)
     py_spy = shlex.quote(str(Path(sys.executable).with_name("py-spy")))
-    dumps = "; ".join(f"echo '--- pid {pid}'; {py_spy} dump --nonblocking --pid {pid}" for pid in pids)
-    return ["srun", f"--jobid={job_id}", "--overlap", "-N1", "-n1", f"--nodelist={node}", "bash", "-c", dumps]
+    loop = (
+        f"{python} -m distlab.fault_agent pids --job {job_id} | while read host rank pid; do "
+        f'echo "--- rank $rank on $host, pid $pid"; {py_spy} dump --nonblocking --pid $pid; done'
+    )
+    return ["srun", f"--jobid={job_id}", "--overlap", "-N1", "-n1", f"--nodelist={node}", "bash", "-c", loop]
 
 
-def print_stacks(job_id: str, hosts: list[dict]) -> None:
-    by_node: dict[str, list[int]] = {}
-    for host in hosts:
-        by_node.setdefault(host["node"], []).append(host["pid"])
-    rank_of = {h["pid"]: h["rank"] for h in hosts}
-    for node, pids in by_node.items():
-        out = subprocess.run(stacks_command(job_id, node, pids), capture_output=True, text=True, timeout=120)
-        text = re.sub(
-            r"--- pid (\d+)", lambda m, node=node: f"--- rank {rank_of[int(m[1])]} on {node}", out.stdout
+def print_stacks(job_id: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_GPUS_PER_NODE"}  # a step asks for no GPU
+    for node in job_nodes(job_id):
+        out = subprocess.run(
+            stacks_command(job_id, node), capture_output=True, text=True, timeout=120, env=env
         )
-        print(text + out.stderr)
+        print(out.stdout + out.stderr, end="")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,18 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.job) if Path(args.job).is_dir() else job_folder(args.job)
     prefix = str(folder / "rank_")
     dumps, hosts = flight_recorder.read_dumps(prefix), flight_recorder.read_hosts(prefix)
+    if args.stacks:  # while the job hangs: before the timeout, there are no dumps yet
+        if Path(args.job).is_dir():
+            raise SystemExit("diagnose_hang: --stacks needs the job id of a running job")
+        print_stacks(args.job)
     if not dumps:
-        raise SystemExit(
-            f"diagnose_hang: no flight records (rank_<N>) in {folder}: did a collective time out?"
-        )
+        print(f"no flight records (rank_<N>) in {folder} yet: they are written when a collective times out")
+        return 0
     world = len(hosts) or max(dumps) + 1
     missing, lines = flight_recorder.hang_report(dumps, world, hosts)
     print(f"{len(dumps)} of {world} ranks wrote a flight record in {folder}; no record from ranks {missing}")
     print("\n".join(lines))
-    if args.stacks:
-        if Path(args.job).is_dir():
-            raise SystemExit("diagnose_hang: --stacks needs the job id of a running job")
-        print_stacks(args.job, hosts)
     return 0
 
 
