@@ -12,7 +12,7 @@ and signals it, or every process of the job on the node (a node lost)::
 
 ``signal`` waits until the job's log (on the shared file system) shows iteration 80, then sends the
 signal; the node that does not hold the rank prints nothing. ``throttle`` makes a straggler: it
-stops the rank (SIGSTOP) for ``--share`` of every ``--period`` and lets it run (SIGCONT) the rest,
+stops the rank (SIGSTOP) for ``--share`` of every ``--period`` (20 ms) and lets it run (SIGCONT) the rest,
 until the rank ends, as a busy neighbour taking that share of its processor would. It imports neither torch nor the
 course's other modules: it starts between two iterations of the run it signals.
 """
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     slow = sub.add_parser("throttle", help="stop one rank part of the time until it ends (a straggler)")
     slow.add_argument("--rank", type=int, required=True)
     slow.add_argument("--share", type=float, default=0.5, help="the fraction of each period it is stopped")
-    slow.add_argument("--period", type=float, default=0.1, help="seconds")
+    slow.add_argument("--period", type=float, default=0.02, help="seconds (a few iterations of a tiny model)")
     for p in (sig, node):
         p.add_argument("--signal", default="KILL", help="KILL, STOP, CONT, TERM, USR1, ...")
     for p in (sig, node, slow):

@@ -14,7 +14,8 @@ then fails with a KeyError). This module fills both gaps:
 
     start(prefix)        collective, after every group exists: every rank's node and pid; rank 0
                          removes an earlier run's dumps
-    dump(prefix, rank, hosts)  this rank's record, with ``pg_config`` rebuilt from torch's own
+    waiting_in(exc)      the collective a timed-out call waited in, from its traceback
+    dump(prefix, rank, hosts, waiting)  this rank's record, with ``pg_config`` rebuilt from torch's own
                          table of groups (name, description, ranks), as ``<prefix><rank>``, and
                          the hosts as ``hosts.json``
     wait_for_dumps       the survivors' dumps, until all ranks or a grace period
@@ -85,6 +86,52 @@ def pg_config() -> dict[str, dict[str, str]]:
     return config
 
 
+def waiting_in(exc: BaseException) -> dict | None:
+    """The collective a failed call waited in, from the exception's traceback: the outermost frame of
+    ``torch.distributed.distributed_c10d`` that has a ``group`` (the public call: ``all_reduce``,
+    ``broadcast``, ...), its group and tensor sizes, and the innermost frame of distlab's own code.
+    gloo's recorder does not always list the operation that timed out; this does. None: no such frame."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    calls = [
+        f for f in frames if f.f_code.co_filename.endswith("distributed_c10d.py") and "group" in f.f_locals
+    ]
+    if not calls:
+        return None
+    call = calls[0]
+    group = call.f_locals["group"] or dist.distributed_c10d._get_default_group()
+    tensors = [call.f_locals.get(k) for k in ("tensor", "input_tensor", "output_tensor", "input", "output")]
+    sizes = [list(t.shape) for t in tensors if isinstance(t, torch.Tensor)][:1]
+    ours = [f for f in frames if "/distlab/" in f.f_code.co_filename]
+    at = (
+        f" at {Path(ours[-1].f_code.co_filename).name}:{ours[-1].f_lineno} ({ours[-1].f_code.co_name})"
+        if ours
+        else ""
+    )
+    return {
+        "op": f"{dist.get_backend(group)}:{call.f_code.co_name}{at}",
+        "group": dist.distributed_c10d._world.pg_names[group],
+        "members": dist.get_process_group_ranks(group),
+        "sizes": sizes,
+    }
+
+
+def _sequence_number(entries: list[dict], waiting: dict) -> int:
+    """The group's sequence number of the collective :func:`waiting_in` found. gloo's recorder (torch
+    2.14) sometimes lists a timed-out collective, marked finished like the others, and sometimes not
+    at all: the group's last entry is it when operation and sizes match, else it is the next number.
+    (Two calls in a row with the same operation and sizes, the second unlisted, would read one low.)"""
+    mine = [e for e in entries if e["process_group"][0] == waiting["group"] and not e.get("is_p2p")]
+    if not mine:
+        return 1
+    last = mine[-1]
+    same = waiting["op"].split(" ")[0] == last["profiling_name"] and last["input_sizes"] == waiting["sizes"]
+    return last["collective_seq_id"] if same else last["collective_seq_id"] + 1
+
+
 def dump(prefix: str, rank: int, hosts: list[dict], waiting: dict | None = None) -> Path:
     """Write this rank's record as ``<prefix><rank>`` and :func:`start`'s hosts as ``hosts.json``
     (each atomically: a reader never sees half a file). ``waiting``: the transfer this rank waits
@@ -92,6 +139,8 @@ def dump(prefix: str, rank: int, hosts: list[dict], waiting: dict | None = None)
     kept under the key ``distlab_waiting``, which PyTorch's analyzer ignores."""
     trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     trace["pg_config"] = pg_config()
+    if waiting is not None and waiting.get("group") in trace["pg_config"]:
+        waiting = {**waiting, "seq": _sequence_number(trace["entries"], waiting)}
     trace["distlab_waiting"] = waiting
     target = Path(prefix + str(rank))
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -152,14 +201,32 @@ class Collective:
 
 
 def last_collectives(trace: dict) -> tuple[Collective | None, Collective | None]:
-    """(the last finished collective, the unfinished one the rank waits in) of one record."""
+    """(the last finished collective, the unfinished one the rank waits in) of one record: the
+    recorder's last entry if unfinished, else what the engine saw it wait in (``distlab_waiting``)."""
     entries = [Collective.of(e, trace["pg_config"]) for e in trace["entries"]]
-    done = [c for c in entries if c.retired]
     waiting = entries[-1] if entries and not entries[-1].retired else None
     if waiting is None and trace.get("distlab_waiting"):
         w = trace["distlab_waiting"]
-        waiting = Collective(w["op"], w["group"], w["group"], tuple(w["members"]), None, w["sizes"], False)
+        desc = trace["pg_config"].get(w["group"], {}).get("desc", w["group"])
+        waiting = Collective(w["op"], w["group"], desc, tuple(w["members"]), w.get("seq"), w["sizes"], False)
+    done = [c for c in entries if c.retired and not _same_or_later(c, waiting)]
     return (done[-1] if done else None), waiting
+
+
+def _same_or_later(c: Collective, waiting: Collective | None) -> bool:
+    """The waited-in collective itself, which gloo's recorder may list as finished."""
+    return (
+        waiting is not None and waiting.seq is not None and c.group == waiting.group and c.seq >= waiting.seq
+    )
+
+
+def joined(trace: dict, collective: Collective) -> bool:
+    """Whether a rank's record holds ``collective`` (its group's sequence number, or a later one);
+    an operation the recorder does not number counts as joined."""
+    if collective.seq is None:
+        return True
+    entries = (Collective.of(e, trace["pg_config"]) for e in trace["entries"])
+    return any(c.group == collective.group and c.seq is not None and c.seq >= collective.seq for c in entries)
 
 
 def hang_report(dumps: dict[int, dict], world_size: int, hosts: list[dict]) -> tuple[list[int], list[str]]:
@@ -171,7 +238,9 @@ def hang_report(dumps: dict[int, dict], world_size: int, hosts: list[dict]) -> t
     lines, named = [], set()
     waits = {rank: last_collectives(trace) for rank, trace in sorted(dumps.items())}
     for _, waiting in waits.values():
-        absent = [r for r in (waiting.members if waiting else ()) if r in missing]
+        absent = [
+            r for r in (waiting.members if waiting else ()) if r in missing or not joined(dumps[r], waiting)
+        ]
         if waiting is None or not absent or (waiting.group, waiting.seq, waiting.members) in named:
             continue
         named.add((waiting.group, waiting.seq, waiting.members))
@@ -193,10 +262,12 @@ __all__ = [
     "dump_prefix",
     "enable",
     "hang_report",
+    "joined",
     "last_collectives",
     "pg_config",
     "read_dumps",
     "read_hosts",
     "start",
     "wait_for_dumps",
+    "waiting_in",
 ]

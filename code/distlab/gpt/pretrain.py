@@ -125,8 +125,8 @@ def report_hang(run: Run, hosts: list[dict], exc: RuntimeError) -> None:
     record, wait up to ``HANG_GRACE_S`` for the other ranks' dumps, then print which ranks wrote
     none (``logs.formats.HANG``), the collective they did not join and every rank's last one."""
     prefix, world = flight_recorder.dump_prefix(), run.state.layout.world_size
-    waiting = None
-    if isinstance(exc, PipelineTransferError):  # not in gloo's flight record: the engine says it
+    waiting = flight_recorder.waiting_in(exc)  # gloo's record may lack it
+    if isinstance(exc, PipelineTransferError):  # point-to-point: not in gloo's record at all
         members = sorted({run.state.rank, *exc.peers})
         waiting = dict(op=f"pipeline {exc.what}", group="pp", members=members, sizes=[list(exc.shape)])
     flight_recorder.dump(prefix, run.state.rank, hosts, waiting)
