@@ -39,9 +39,10 @@ def missed_collectives(text: str) -> list[str]:
     return list(dict.fromkeys(m.group(2) for m in _DID_NOT_JOIN.finditer(text)))
 
 
-def slowest_ranks(text: str) -> list[int]:
-    """The rank of the longest forward-backward time (MxRtt) of every straggler report."""
-    return [r["max_rank"] for r in STRAGGLER.parse(text)]
+def slowest_ranks(text: str, after: int = 0) -> list[int]:
+    """The rank of the longest forward-backward time (MxRtt) of every straggler report of an
+    iteration above ``after``."""
+    return [r["max_rank"] for r in STRAGGLER.parse(text) if r["iteration"] > after]
 
 
 def rank_tflops(text: str) -> dict[int, list[tuple[int, float]]]:
