@@ -31,6 +31,8 @@ def test_straggler_reports_give_every_ranks_throughput_and_the_slowest():
     assert sorted(series) == [0, 1, 2, 3] and [it for it, _ in series[2]] == [10, 20, 30]
     assert series[2][1][1] == pytest.approx(1e-3) and series[2][0][1] == pytest.approx(4.2e-3)
     assert hangs.slowest_ranks(log, after=10) == [2, 2]
+    assert hangs.lowest_throughput_rank(log, after=10) == 2 and hangs.lowest_throughput_rank(log) == 2
+    assert hangs.lowest_throughput_rank("no report") is None
 
 
 def test_hang_report_readers():

@@ -62,6 +62,18 @@ def rank_tflops(text: str) -> dict[int, list[tuple[int, float]]]:
     return series
 
 
+def lowest_throughput_rank(text: str, after: int = 0) -> int | None:
+    """The rank of the lowest mean TFLOP/s over the reports of iterations above ``after`` (every
+    rank's throughput is in the reports when the minmax count is half the world); None: no reports.
+    A mean over many intervals: one interval's minimum moves with a loaded machine's noise."""
+    means = {
+        rank: sum(tf for _, tf in late) / len(late)
+        for rank, points in rank_tflops(text).items()
+        if (late := [p for p in points if p[0] > after])
+    }
+    return min(means, key=means.get) if means else None
+
+
 def check_fault(answer: tuple | str, job_id: int | str | None, folder: str | Path = "jobs") -> bool:
     """The exercise: ``answer`` = (fault, rank), fault "hang" or "straggler", against what the job's
     batch script did (``<folder>/.answer-<job id>``)."""
@@ -80,4 +92,11 @@ def check_fault(answer: tuple | str, job_id: int | str | None, folder: str | Pat
     )  # fmt: skip
 
 
-__all__ = ["check_fault", "hung_ranks", "missed_collectives", "rank_tflops", "slowest_ranks"]
+__all__ = [
+    "check_fault",
+    "hung_ranks",
+    "lowest_throughput_rank",
+    "missed_collectives",
+    "rank_tflops",
+    "slowest_ranks",
+]
