@@ -8,6 +8,7 @@
                           and the estimator's predicted peak next to the measured one),
                           log_iteration, maybe_evaluate, maybe_save, stop_requested
                           (--exit-duration-in-mins, --exit-signal-handler: one MAX all-reduce);
+                          --manual-gc and --empty-unused-memory-level (training/housekeeping.py);
                           then finish: final save, pipeline timeline, final validation and test
 
 Logs follow Megatron: start-up lines from rank 0, iteration lines from the last rank (where the
@@ -35,7 +36,7 @@ from distlab.gpt.moe.moe_layer import take_stats
 from distlab.gpt.native import torch_compile
 from distlab.gpt.pipeline_parallel.p2p_communication import PipelineTransferError
 from distlab.gpt.pipeline_parallel.timeline import bubble_summary, save_timeline
-from distlab.gpt.training import log
+from distlab.gpt.training import housekeeping, log
 from distlab.gpt.training.fault_handling import HANG_GRACE_S, ExitSignal, is_timeout
 from distlab.gpt.training.straggler import StragglerDetector
 from distlab.gpt.training.training import evaluate
@@ -69,6 +70,7 @@ def pretrain(argv: list[str] | None = None) -> dict:
             report_hang(run, hosts, exc)
         raise
     finally:
+        housekeeping.stop_manual_gc(args)
         if run is not None:
             run.backend.close()
         run = None  # unreachable now: shutdown() frees the run, then its groups' threads stop
@@ -92,18 +94,21 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
             run.state.layout.world_size, run.state.rank, args.straggler_minmax_count,
             enabled=not args.disable_straggler_on_startup, port=args.straggler_ctrlr_port, device=run.ctx.device,
         )  # fmt: skip
+    housekeeping.start_manual_gc(args)
     while run.iteration < args.train_iters:
         lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
         batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
         batches = run.batches(run.datasets[0], run.consumed, run.layout.micro_batches_at(run.consumed))
         before_ms = 1000 * timer.lap()  # the previous iteration's logging, evaluation, save; data
         result = run.step(batches)
+        housekeeping.empty_unused_memory(args, run.ctx.device)
         step_ms = 1000 * timer.lap()
         run.iteration += 1
         run.consumed += batch
         if run.iteration == first_iteration:
             report_memory(run)
         profiler.step()
+        housekeeping.collect_after_step(args, run.iteration)
         log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
         if straggler is not None:
             report_straggler(run, straggler, result, batch)
@@ -183,19 +188,19 @@ def log_iteration(
 
 def log_moe(run: Run, *, due: bool) -> None:
     """Each MoE layer's tokens per expert and load-balancing loss of this iteration, summed over
-    the data-parallel ranks (one small all-reduce, on log iterations only), printed by the last
-    rank and kept in the history; the counters restart every iteration."""
-    group = run.state.dp_group if due and run.state.dp > 1 else None
-    layers = take_stats(run.model, group)
+    the ranks holding other tokens and gathered over the stages (small collectives, on log
+    iterations only), printed by the last rank and kept in the history; the counters restart
+    every iteration."""
+    layers = take_stats(run.model, run.state if due else None)
     if not due:
         return
     run.tlog.history.setdefault("moe", []).append({"iteration": run.iteration, "layers": layers})
     lines = [
         MOE.format(
-            it=run.iteration, layer=i, aux=s["load_balancing_loss"], dropped=s["dropped"],
+            it=run.iteration, layer=s["layer"], aux=s["load_balancing_loss"], dropped=s["dropped"],
             counts=" ".join(map(str, s["tokens_per_expert"])),
         )
-        for i, s in enumerate(layers)
+        for s in layers
     ]  # fmt: skip
     print_on(run.last_rank, *lines)
 
@@ -211,6 +216,7 @@ def maybe_evaluate(run: Run) -> None:
 
 def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboard: bool = True) -> float:
     """Mean loss over --eval-iters global batches from sample ``first``; Megatron's box."""
+    housekeeping.collect_around_validation(run.args)
     loss = evaluate(
         run.model,
         dataset,
@@ -224,6 +230,7 @@ def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboa
         autocast=run.autocast,
         forward_backward_fn=run.forward_backward,
     )
+    housekeeping.collect_around_validation(run.args)
     print_on(run.last_rank, *log.validation_lines(label, loss))
     if to_tensorboard:
         run.tensorboard.validation(run.iteration, run.consumed, loss)

@@ -42,6 +42,7 @@ from distlab.gpt.interfaces import (
     StepResult,
     mean_backward,
 )
+from distlab.gpt.moe.moe_layer import set_aux_loss_scale
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.log import Timer
@@ -122,12 +123,17 @@ class LocalBackend:
         scaler: DynamicLossScaler | None = None,
         overlap_grad_reduce: bool = False,
         bucket_size: int | None = None,  # elements, --ddp-bucket-size (default Megatron's)
+        reduce_dtype: torch.dtype | None = None,  # --grad-reduce-in-bf16: the buckets' all-reduce dtype
     ) -> None:
         self.module, self.optimizer, self.state = model, optimizer, state
         self.clip_grad, self.scaler = clip_grad, scaler
         size = bucket_size if bucket_size is not None else default_bucket_size(state.dp * state.cp)
         self.grad_buckets = GradBuckets(
-            list(model.parameters()), state, bucket_size=size, overlap=overlap_grad_reduce
+            list(model.parameters()),
+            state,
+            bucket_size=size,
+            overlap=overlap_grad_reduce,
+            reduce_dtype=reduce_dtype,
         )
 
     def zero_grad(self) -> None:
@@ -172,8 +178,12 @@ def train_step(
     forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
 ) -> StepResult:
     """The one step loop: zero grads, forward/backward every micro-batch through the back end's
-    hook, the mean loss over the data-parallel ranks, the back end's optimizer step."""
+    hook, the mean loss over the data-parallel ranks, the back end's optimizer step. The MoE
+    layers' aux losses get the lm loss's backward factor ``S / m`` (Megatron's
+    ``MoEAuxLossAutoScaler.set_loss_scale`` in its forward step)."""
     backend.zero_grad()
+    scaler = getattr(backend, "scaler", None)  # LocalBackend's (fp16); other back ends have no MoE
+    set_aux_loss_scale(backend.module, (scaler.scale if scaler is not None else 1.0) / len(batches))
     timer = Timer(batches[0][0].device)
     loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
     forward_backward_ms = 1000 * timer.lap()  # before the loss and gradient reductions wait for others
