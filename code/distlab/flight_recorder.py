@@ -22,6 +22,11 @@ then fails with a KeyError). This module fills both gaps:
     hang_report          from the dumps: ranks that wrote none (frozen, dead, or still computing),
                          the collective each missing rank did not join, each rank's last collective
 
+gloo's recorder also lists no point-to-point operation, and marks a timed-out collective finished
+or leaves it out: each dump therefore carries what its rank was waiting in, read from the exception
+(:func:`waiting_in`; the pipeline's transfers say their peers), under the key ``distlab_waiting``,
+which the analyzer ignores.
+
 A frozen rank (SIGSTOP, a deadlock in native code, a dead node) writes no dump: the analyzer then
 says "Missing dump files from ranks {r}" (``--allow-incomplete-ranks`` for the rest) and
 :func:`hang_report` names r and the collective its group waits in.
