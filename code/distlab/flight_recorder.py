@@ -117,7 +117,8 @@ def waiting_in(exc: BaseException) -> dict | None:
         else ""
     )
     return {
-        "op": f"{dist.get_backend(group)}:{call.f_code.co_name}{at}",
+        "op": f"{dist.get_backend(group)}:{call.f_code.co_name}",
+        "at": at,
         "group": dist.distributed_c10d._world.pg_names[group],
         "members": dist.get_process_group_ranks(group),
         "sizes": sizes,
@@ -133,7 +134,7 @@ def _sequence_number(entries: list[dict], waiting: dict) -> int:
     if not mine:
         return 1
     last = mine[-1]
-    same = waiting["op"].split(" ")[0] == last["profiling_name"] and last["input_sizes"] == waiting["sizes"]
+    same = waiting["op"] == last["profiling_name"] and last["input_sizes"] == waiting["sizes"]
     return last["collective_seq_id"] if same else last["collective_seq_id"] + 1
 
 
@@ -191,6 +192,7 @@ class Collective:
     seq: int | None  # None: an op the recorder does not number (dump's ``waiting``)
     sizes: list
     retired: bool
+    at: str = ""  # where the engine called it (dump's ``waiting``): " at gradients.py:110 (grad_norm)"
 
     @classmethod
     def of(cls, entry: dict, config: dict) -> Collective:
@@ -202,7 +204,7 @@ class Collective:
     def __str__(self) -> str:
         members = ", ".join(map(str, self.members))
         seq = "" if self.seq is None else f" #{self.seq}"
-        return f"{self.op}{seq} of group {self.group} ({self.desc}) [{members}], sizes {self.sizes}"
+        return f"{self.op}{seq} of group {self.group} ({self.desc}) [{members}], sizes {self.sizes}{self.at}"
 
 
 def last_collectives(trace: dict) -> tuple[Collective | None, Collective | None]:
@@ -213,7 +215,9 @@ def last_collectives(trace: dict) -> tuple[Collective | None, Collective | None]
     if waiting is None and trace.get("distlab_waiting"):
         w = trace["distlab_waiting"]
         desc = trace["pg_config"].get(w["group"], {}).get("desc", w["group"])
-        waiting = Collective(w["op"], w["group"], desc, tuple(w["members"]), w.get("seq"), w["sizes"], False)
+        waiting = Collective(
+            w["op"], w["group"], desc, tuple(w["members"]), w.get("seq"), w["sizes"], False, w.get("at", "")
+        )
     done = [c for c in entries if c.retired and not _same_or_later(c, waiting)]
     return (done[-1] if done else None), waiting
 
@@ -235,16 +239,19 @@ def joined(trace: dict, collective: Collective) -> bool:
 
 
 def hang_report(dumps: dict[int, dict], world_size: int, hosts: list[dict]) -> tuple[list[int], list[str]]:
-    """(the ranks that wrote no dump, the report's lines): for each collective a survivor waits in
-    whose group holds missing ranks, which of them did not join it and where they run; then each
-    rank's last finished collective and the one it waits in."""
+    """(the ranks that wrote no dump, the report's lines): for each collective a survivor waits in,
+    the members that did not join it and where they run (a rank without a dump, or one that dumped
+    while in no collective: it skipped this one; a rank waiting in another collective is not named,
+    it waits for someone else); then each rank's last finished collective and the one it waits in."""
     node = {h["rank"]: f"{h['node']} (pid {h['pid']})" for h in hosts}
     missing = sorted(set(range(world_size)) - set(dumps))
     lines, named = [], set()
     waits = {rank: last_collectives(trace) for rank, trace in sorted(dumps.items())}
     for _, waiting in waits.values():
         absent = [
-            r for r in (waiting.members if waiting else ()) if r in missing or not joined(dumps[r], waiting)
+            r
+            for r in (waiting.members if waiting else ())
+            if r in missing or (waits[r][1] is None and not joined(dumps[r], waiting))
         ]
         if waiting is None or not absent or (waiting.group, waiting.seq, waiting.members) in named:
             continue
