@@ -34,12 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
         tf = meta.pop("tf", False)
         kind = hints[f.name]
         if kind is bool and tf:
-            parser.add_argument(flag, type=_str2bool, default=f.default, metavar="True|False", help=help_)
-        elif kind is bool:
-            parser.add_argument(flag, action="store_true", help=help_)
+            parser.add_argument(
+                flag, type=_str2bool, default=f.default, metavar="True|False", dest=f.name, help=help_
+            )
+        elif kind is bool:  # a switch: store_true, or store_false for Megatron's --no-*/--disable-*
+            parser.add_argument(flag, action=meta.pop("action", "store_true"), dest=f.name, help=help_)
         else:
             meta.setdefault("type", kind)
-            parser.add_argument(flag, default=f.default, help=help_, **meta)
+            parser.add_argument(flag, default=f.default, dest=f.name, help=help_, **meta)
     parser.add_argument("--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)
     parser.add_argument(  # Megatron-LM's current name for the same field
         "--num-virtual-stages-per-pipeline-rank", type=int, dest="virtual_pipeline_model_parallel_size",
