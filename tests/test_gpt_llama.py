@@ -7,6 +7,7 @@ refusals are Megatron's. Whole runs of the Llama layouts: ``tests/test_gpt_llama
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -133,7 +134,8 @@ def test_rope_is_hugging_faces_rotate_half_and_relative() -> None:
          * apply_rotary(y.view(1, 1, 1, d), rotary_angles(torch.tensor([m - 2]), d, base))).sum()
         for m in (2, 5, 9)
     ]  # fmt: skip
-    torch.testing.assert_close(dots[0], dots[1]) and torch.testing.assert_close(dots[0], dots[2])
+    torch.testing.assert_close(dots[0], dots[1])
+    torch.testing.assert_close(dots[0], dots[2])
     part = apply_rotary(q, rotary_angles(torch.arange(6), d // 2, base))  # --rotary-percent 0.5
     torch.testing.assert_close(part[..., d // 2 :], q[..., d // 2 :])  # the rest passes as it is
 
@@ -199,7 +201,7 @@ def test_bad_architecture_is_refused_before_compute_with_the_values_and_the_fix(
     flags, world, expected
 ) -> None:
     _, error = _validated(*flags, world=world)
-    assert error.startswith("invalid arguments: ") and __import__("re").search(expected, error), error
+    assert error.startswith("invalid arguments: ") and re.search(expected, error), error
 
 
 def test_good_query_groups_pass_for_split_and_replicated_kv() -> None:
@@ -218,3 +220,27 @@ def test_llama_flops_per_token_and_parameters_follow_the_blocks() -> None:
     per_block = H * (n + 2 * g) * d + n * d * H + 3 * H * F + 2 * H  # qkv, proj, gate+up+down, 2 RMSNorm
     assert sum(p.numel() for p in GPTModel(cfg).parameters()) == 2 * per_block + 2 * V * H + H
     assert math.isclose(cfg.head_dim * cfg.num_attention_heads, H)
+
+
+def test_llama_model_flops_equal_pytorchs_flop_counter() -> None:
+    """The generalised formula (GQA's qkv, SwiGLU's three matrices, kv-channels) against
+    torch.utils.flop_counter over the meta-device Llama; GPT-2's formula would miss it."""
+    from distlab.gpt.arguments import PretrainArgs
+    from distlab.gpt.training.flops import counted_flops, model_flops_per_iteration
+
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=4096, seq_length=64, batch=2)
+    arch = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
+                add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=128, kv_channels=16)  # fmt: skip
+    counted = counted_flops(**shape, **arch)
+    args = PretrainArgs(num_layers=2, hidden_size=64, num_attention_heads=8, seq_length=64, global_batch_size=2,
+                        swiglu=True, group_query_attention=True, num_query_groups=2, ffn_hidden_size=128,
+                        kv_channels=16)  # fmt: skip
+    assert model_flops_per_iteration(args, 4096) == counted
+    gpt2 = PretrainArgs(
+        num_layers=2, hidden_size=64, num_attention_heads=8, seq_length=64, global_batch_size=2
+    )
+    # per token and block: qkv 2H (n + 2g) d = 2H 3H here; attention 4 s n d against 4 s H, the projection
+    # 2 n d H against 2 H^2 (n d = 2H), the MLP 6 H F against 16 H^2: 24 h^2 + 4 s h misses by the rest
+    H, s, nd, F = 64, 64, 128, 128
+    per_token = 4 * s * (nd - H) + 2 * H * (nd - H) + 6 * H * F - 16 * H * H
+    assert counted - model_flops_per_iteration(gpt2, 4096) == 2 * s * 3 * 2 * per_token != 0
