@@ -6,6 +6,7 @@ refusals are Megatron's. Whole runs of the Llama layouts: ``tests/test_gpt_llama
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -49,6 +50,11 @@ CASES = {
     "untied": dict(untie_embeddings_and_output_weights=True, init_method_std=0.05),
     "llama": LLAMA,
     "llama-mqa": {**LLAMA, "num_query_groups": 1},
+    "llama-explicit-selective": {
+        **LLAMA,
+        "attention_backend": "unfused",
+        "recompute_granularity": "selective",
+    },
 }
 
 
@@ -244,3 +250,31 @@ def test_llama_model_flops_equal_pytorchs_flop_counter() -> None:
     H, s, nd, F = 64, 64, 128, 128
     per_token = 4 * s * (nd - H) + 2 * H * (nd - H) + 6 * H * F - 16 * H * H
     assert counted - model_flops_per_iteration(gpt2, 4096) == 2 * s * 3 * 2 * per_token != 0
+
+
+def test_llama_memory_estimate_counts_its_parameters_and_activations() -> None:
+    """The estimator's parameters are the model's; one Llama block's saved activations, measured by
+    autograd's saved-tensor hooks, are its estimate plus the few small tensors it leaves out
+    (log-sum-exp, RoPE's cos and sin tables): within 4% above, never below."""
+    from distlab.gpt.memory.activation_memory import saved_activation_bytes
+    from distlab.gpt.memory.memory_estimate import MemorySetup, block_bytes, stage_parameters
+    from distlab.gpt.transformer.model import Block, init_parameters
+
+    s, b, h, a, V = 64, 2, 64, 8, 128
+    arch = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
+                add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=160)  # fmt: skip
+    setup = MemorySetup(2, h, a, s, V, b, **arch)
+    assert stage_parameters(setup) == sum(
+        p.numel() for p in GPTModel(GPTConfig(2, h, a, V, s, **arch)).parameters()
+    )
+    for backend in ("auto", "unfused"):
+        cfg = GPTConfig(1, h, a, V, s, attention_backend=backend, **arch)
+        block = Block(cfg, None)
+        init_parameters(block, cfg, None)
+        x = torch.randn(b, s, h, requires_grad=True)
+        angles = rotary_angles(torch.arange(s), h // a, 10000)
+        measured = saved_activation_bytes(
+            functools.partial(block, x, rotary=angles), list(block.parameters())
+        )
+        estimated = block_bytes(MemorySetup(1, h, a, s, V, b, attention_backend=backend, **arch))
+        assert estimated <= measured <= 1.04 * estimated, (backend, measured, estimated)

@@ -21,10 +21,11 @@ allows the two cases, checked before a run (``validate_args``):
   each rank takes the slice of its group ``tp_rank // (t / g)`` and of that group's n / g query
   heads the n / t at ``tp_rank % (t / g)``.
 
-RoPE (``rope.py``) rotates q and k after the split, at their global positions. The core attention
-sees K/V repeated to one per query head (``repeat_interleave`` over the heads), so every backend
-(fused, explicit, ring) computes the same thing; with ring attention the repeated blocks are what
-goes round the ring.
+RoPE (``rope.py``) rotates q and k after the split, at their global positions. PyTorch's fused
+attention reads the g K/V heads as they are (``enable_gqa``: it keeps them, not n, for backward);
+the explicit attention and ring attention see K/V repeated to one per query head
+(``repeat_interleave``), so they store, and with ring attention send round the ring, n heads of
+K/V as multi-head attention does. Every backend computes the same thing.
 """
 
 from __future__ import annotations
@@ -83,9 +84,12 @@ class SelfAttention(nn.Module):
         """x (b, T, H) replicated over the tp ranks, or (b, T/tp, H) with sequence parallelism;
         ``rotary`` the RoPE angles (T, d_rot) of the T positions attention sees (None: no RoPE)
         -> this rank's partial (b, T, H) reduced over tp (or reduce-scattered to (b, T/tp, H))."""
-        q, k, v = self.query_key_value(x)  # (b, n/tp, T, d), (b, g_here, T, d) twice
+        q, k, v = self.query_key_value(x)  # (b, T, n/tp, d), (b, T, g_here, d) twice
         if rotary is not None:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+            q, k = apply_rotary(q, rotary[:, None]), apply_rotary(k, rotary[:, None])  # (T, 1, d_rot) angles
+        # each its own storage (a view kept for backward would keep the whole qkv output alive), in
+        # (b, T, heads, d) order: the core attention's output is then the projection's input as it is
+        q, k, v = (t.contiguous().transpose(1, 2) for t in (q, k, v))  # (b, heads, T, d)
         if self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
             y = checkpoint(self.core_attention, q, k, v)  # replays both random streams
         else:
@@ -94,7 +98,7 @@ class SelfAttention(nn.Module):
         return self.proj(y)  # partial (b, T, H) per rank, then g (all-reduce) or g-bar (reduce-scatter)
 
     def query_key_value(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's query heads and the K/V heads they read: (b, n/tp, T, d) and (b, g_here, T, d)."""
+        """This rank's query heads and the K/V heads they read: (b, T, n/tp, d) and (b, T, g_here, d)."""
         qkv = self.qkv(x)  # f (or all-gather along T), then (b, T, (n + 2g) d / tp)
         if self.replicated:  # the whole output, then my group's [n/g q, k, v] slice
             qkv = all_gather_last_dim(qkv, self.group)  # (b, T, (n + 2g) d)
@@ -109,18 +113,21 @@ class SelfAttention(nn.Module):
             share = self.per_group * self.groups // group_size(self.group)
             first = group_rank(self.group) % (group_size(self.group) // self.groups) * share
             q = q[:, :, first : first + share]
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q, k, v
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(Q K^T / sqrt(d)) V, causal: q (b, n/tp, T, d), k and v (b, g_here, T, d) ->
         (b, n/tp, T, d) (T / cp queries against all T keys with context parallelism)."""
         repeat = q.shape[1] // k.shape[1]  # query heads per K/V head here
+        p = self.dropout if self.training else 0.0
+        if not self.explicit and self.ring is None:  # the fused kernel reads the grouped K/V itself
+            with fork_if(p > 0):  # this rank's heads: masks from the model-parallel stream (Megatron's)
+                return F.scaled_dot_product_attention(  # stores no scores, and K/V of g_here heads
+                    q, k, v, is_causal=True, dropout_p=p, enable_gqa=repeat > 1
+                )
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)  # (b, n/tp, T, d)
         if self.ring is not None:
             return ring_attention(q, k, v, self.ring)
-        p = self.dropout if self.training else 0.0
-        with fork_if(p > 0):  # this rank's heads: masks from the model-parallel stream (Megatron's)
-            if self.explicit:
-                return unfused_attention(q, k, v, p)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # stores no scores
+        with fork_if(p > 0):
+            return unfused_attention(q, k, v, p)

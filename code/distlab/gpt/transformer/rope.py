@@ -45,8 +45,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """x (b, heads, T, d), angles (T, d_rot) -> x with its first d_rot channels rotated, (b, heads, T, d)."""
+    """x (b, heads, T, d) and angles (T, d_rot), or x (b, T, heads, d) and angles (T, 1, d_rot) -> x with
+    its first d_rot channels rotated, x's shape."""
     rot = angles.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # (T, d_rot), broadcast over b, heads
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # broadcast over b and the heads
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
