@@ -4,6 +4,7 @@
     groups       the flags, one dataclass per Megatron group (_add_network_size_args, ...)
     parser       argparse built from them; --split and --profile-ranks
     validation   validate_args: everything checked before a process group exists -> the Layout
+    architecture the model's flags (RMSNorm, RoPE, SwiGLU, GQA, ...): Megatron's defaults and rules
     backends     the back ends' flags (DeepSpeed, FSDP2, DTensor, compile, checkpoint formats)
 """
 

@@ -1,21 +1,27 @@
-"""GPT for one pipeline stage: pre-LayerNorm blocks, learned positions, tied embeddings.
+"""GPT for one pipeline stage: pre-norm blocks; GPT-2's or Llama's (``transformer/config.py``).
 
 For tokens ``x`` (b, T) (one micro-batch) and L blocks (notation: ``distlab.gpt``'s legend)::
 
-    h_0     = E[x] + P[0:T]                                   E: (V, H), P: (T_max, H)
-    a_l     = h_{l-1} + proj(attn(qkv(LN1(h_{l-1}))))         causal, heads of size H / n
-    h_l     = a_l + fc2(gelu(fc1(LN2(a_l))))                  fc1: H -> F, fc2: F -> H
-    logits  = LNf(h_L) E^T                                    (b, T, V), tied with E
+    h_0     = E[x] + P[0:T]                                   E: (V, H), P: (T_max, H) (learned only)
+    a_l     = h_{l-1} + proj(attn(qkv(N1(h_{l-1}))))          causal; RoPE rotates q and k
+    h_l     = a_l + mlp(N2(a_l))                              fc2(gelu(fc1 .)) or SwiGLU
+    logits  = Nf(h_L) W^T                                     (b, T, V); W = E tied, or output_layer
     loss    = cross_entropy(logits, labels)                   per token, (b, T)
 
+N is LayerNorm or RMSNorm (``norms.py``), attention is grouped-query (``attention.py``: n query
+heads, g K/V heads of d channels), the MLP GeLU or SwiGLU (``mlp.py``), positions learned, rotary
+(``rope.py``, at the tokens' global positions, computed once per stage and passed to every block)
+or none.
+
 Tensor parallelism (``tensor_parallel/layers.py``): ``qkv`` and ``fc1`` are column-parallel, ``proj``
-and ``fc2`` row-parallel, E is vocabulary-parallel and the loss is the vocabulary-parallel
-cross-entropy of the (b, T, V / tp) logit slices. With tp = 1 these are the same layers with
-no group: one code path for every layout. Sequence parallelism (``--sequence-parallel``) keeps
-the residual stream, the LayerNorms and dropout on this rank's T / tp positions, (b, T / tp, H),
-split along dim 1 from the embedding's reduce-scatter to the output layer's all-gather; only
-attention and the MLP's GeLU see the whole sequence (on their H / tp slice). The qkv output features are ordered
-``(head, {q,k,v}, head_dim)``, so a contiguous slice of rows is a set of whole heads.
+and ``fc2`` row-parallel, E (and an untied output layer) is vocabulary-parallel and the loss is the
+vocabulary-parallel cross-entropy of the (b, T, V / tp) logit slices. With tp = 1 these are the
+same layers with no group: one code path for every layout. Sequence parallelism
+(``--sequence-parallel``) keeps the residual stream, the norms and dropout on this rank's T / tp
+positions, (b, T / tp, H), split along dim 1 from the embedding's reduce-scatter to the output
+layer's all-gather; only attention and the MLP's activation see the whole sequence (on their
+H / tp slice). The qkv output features are ordered ``(group, [n/g q, k, v], d)``, so a contiguous
+slice of rows is a set of whole groups.
 
 Pipeline parallelism (``pipeline_parallel/schedules.py``): a stage holds the embedding only if it is the
 first, blocks ``[pp_rank L / pp, (pp_rank + 1) L / pp)`` (keyed by their *global* index), and
@@ -26,7 +32,8 @@ after chunk ``v - 1`` of the last; all chunks are one module, so the optimizer, 
 reduction and the checkpoints see every chunk's parameters, by their global names.
 A last stage that is not also the first holds its own copy of E (``output_weight``); the
 initialiser makes it equal to the first stage's E (same name, same seed), and ``distributed/gradients.py``
-sums the two gradients, so they stay equal.
+sums the two gradients, so they stay equal. Untied (``--untie-embeddings-and-output-weights``), the
+last stage's ``output_layer`` is a weight of its own, drawn from its own name, and nothing is summed.
 
 Mixture of experts (``moe/moe_layer.py``, ``moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
 becomes a router and E experts, split over the ep ranks of the layout's expert groups; the last
