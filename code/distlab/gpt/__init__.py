@@ -27,7 +27,8 @@ never up (``tests/test_imports.py`` checks it)::
     interfaces.py      what a step shares: micro-batches, the backward hook, the back end
     parallel_state.py  this rank's coordinates in the layout and its process groups
                        ~ parallel_state.py
-    data/              tokenizer, indexed_dataset, gpt_dataset ~ tokenizers/, datasets/
+    data/              tokenizer (GPT-2 BPE), tokenizers (Null, sentencepiece, HuggingFace),
+                       indexed_dataset, mock_dataset, gpt_dataset ~ tokenizers/, datasets/
     tensor_parallel/   mappings (the f and g operators), layers (column / row-parallel linear,
                        vocabulary-parallel embedding and loss), rng_tracker (two random streams)
                        ~ tensor_parallel/ mappings, layers, cross_entropy, random
@@ -53,7 +54,8 @@ never up (``tests/test_imports.py`` checks it)::
                        checkpointer (the run's saves, --async-save)
                        ~ training/checkpointing.py, dist_checkpointing/
     training/          training (micro-batches, the step, evaluation), log (the log line, TensorBoard,
-                       the profiler), flops (MFU), fault_handling (signals, hangs)
+                       the profiler), flops (MFU), fault_handling (signals, hangs), housekeeping
+                       (--manual-gc, --empty-unused-memory-level)
                        ~ training/training.py, training/dist_signal_handler.py
     native/            PyTorch's own: dtensor_parallel, fsdp2, torch_pipelining, torch_compile,
                        plan_check ~ distributed/torch_fully_sharded_data_parallel.py (torchtitan)

@@ -8,6 +8,7 @@
                           and the estimator's predicted peak next to the measured one),
                           log_iteration, maybe_evaluate, maybe_save, stop_requested
                           (--exit-duration-in-mins, --exit-signal-handler: one MAX all-reduce);
+                          --manual-gc and --empty-unused-memory-level (training/housekeeping.py);
                           then finish: final save, pipeline timeline, final validation and test
 
 Logs follow Megatron: start-up lines from rank 0, iteration lines from the last rank (where the
@@ -32,7 +33,7 @@ from distlab.gpt.memory.meters import memory_report, out_of_memory_message
 from distlab.gpt.moe.moe_layer import take_stats
 from distlab.gpt.native import torch_compile
 from distlab.gpt.pipeline_parallel.timeline import bubble_summary, save_timeline
-from distlab.gpt.training import log
+from distlab.gpt.training import housekeeping, log
 from distlab.gpt.training.fault_handling import ExitSignal, is_timeout, missing_ranks
 from distlab.gpt.training.training import evaluate
 from distlab.logs.formats import EXIT_SIGNAL, HANG, MOE
@@ -63,6 +64,7 @@ def pretrain(argv: list[str] | None = None) -> dict:
             report_hang(run)
         raise
     finally:
+        housekeeping.stop_manual_gc(args)
         if run is not None:
             run.backend.close()
         run = None  # unreachable now: shutdown() frees the run, then its groups' threads stop
@@ -80,18 +82,21 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     print_on(run.rank0, "> training ...")
     run.model.train()
     iteration_ms = []  # this run's, for --torch-compile's line
+    housekeeping.start_manual_gc(args)
     while run.iteration < args.train_iters:
         lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
         batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
         batches = run.batches(run.datasets[0], run.consumed, run.layout.micro_batches_at(run.consumed))
         before_ms = 1000 * timer.lap()  # the previous iteration's logging, evaluation, save; data
         result = run.step(batches)
+        housekeeping.empty_unused_memory(args, run.ctx.device)
         step_ms = 1000 * timer.lap()
         run.iteration += 1
         run.consumed += batch
         if run.iteration == first_iteration:
             report_memory(run)
         profiler.step()
+        housekeeping.collect_after_step(args, run.iteration)
         log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
         iteration_ms.append(before_ms + step_ms)
         maybe_evaluate(run)
@@ -177,6 +182,7 @@ def maybe_evaluate(run: Run) -> None:
 
 def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboard: bool = True) -> float:
     """Mean loss over --eval-iters global batches from sample ``first``; Megatron's box."""
+    housekeeping.collect_around_validation(run.args)
     loss = evaluate(
         run.model,
         dataset,
@@ -190,6 +196,7 @@ def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboa
         autocast=run.autocast,
         forward_backward_fn=run.forward_backward,
     )
+    housekeeping.collect_around_validation(run.args)
     print_on(run.last_rank, *log.validation_lines(label, loss))
     if to_tensorboard:
         run.tensorboard.validation(run.iteration, run.consumed, loss)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from distlab.distributed import pick_backend
 from distlab.gpt.arguments.architecture import architecture_args_errors, fill_architecture_defaults
 from distlab.gpt.arguments.backends import (
@@ -16,8 +18,12 @@ from distlab.gpt.arguments.backends import (
     _torch_compile_errors,
     _torch_fsdp2_errors,
 )
+from distlab.gpt.arguments.data_checks import data_errors, tokenizer_errors
 from distlab.gpt.arguments.groups import PretrainArgs
+from distlab.gpt.arguments.implementations import apply_profile_flags, implementation_errors
 from distlab.gpt.arguments.parser import parse_split, profile_ranks
+from distlab.gpt.arguments.refused import refused_errors
+from distlab.gpt.arguments.samples import decoupled_lr_errors, length_errors, train_iters_from_samples
 from distlab.gpt.layout import (
     Layout,
     context_dropout_error,
@@ -35,12 +41,17 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
 
     Raises ``ValueError`` listing every problem found, before any compute.
     """
-    required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                "train_iters", "lr")  # fmt: skip
+    required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
     missing = [f"--{name.replace('_', '-')} is required" for name in required if getattr(args, name) is None]
+    missing += length_errors(args)  # --train-iters or --train-samples, and their schedule flags
     if missing:
         raise ValueError("; ".join(missing))
     layout = build_layout(args, world_size)
+    if args.train_samples is not None:
+        args.train_iters = train_iters_from_samples(
+            args, layout.global_batch_size, bool(layout.batch_schedule)
+        )
+    apply_profile_flags(args)
     layout.validate_model(
         num_layers=args.num_layers,
         num_attention_heads=args.num_attention_heads,
@@ -50,11 +61,16 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
     args.global_batch_size = layout.global_batch_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if args.lr_decay_iters is None:
+    if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
     fill_architecture_defaults(args)
     errors = [
         *architecture_args_errors(args, layout),
+        *refused_errors(args, torch.cuda.is_available()),
+        *data_errors(args),
+        *tokenizer_errors(args),
+        *implementation_errors(args),
+        *decoupled_lr_errors(args),
         *_model_and_optimizer_errors(args),
         *_file_errors(args),
         *_profile_errors(args, world_size),
@@ -108,7 +124,8 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
         global_batch_size=args.global_batch_size,
         batch_schedule=schedule,
         vp=args.virtual_pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
+        # Megatron turns --sequence-parallel off without tensor parallelism (and says so at start-up)
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
     )
 
 
@@ -175,7 +192,8 @@ def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
 
 
 def _file_errors(args: PretrainArgs) -> list[str]:
-    """The dataset, the tokenizer files, the checkpoint folders and the exit signal that saves."""
+    """The checkpoint folders and the exit signal that saves (the data and tokenizer files:
+    ``data_checks.py``)."""
     errors = []
     if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:
         errors.append(
@@ -186,17 +204,6 @@ def _file_errors(args: PretrainArgs) -> list[str]:
         errors.append(f"--save-interval {args.save_interval} was given without --save DIR")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         errors.append(f"--load {args.load} is a file, not a checkpoint directory")
-    if args.data_path is None:
-        errors.append("--data-path is required: run code/preprocess_data.py first (see its docstring)")
-    elif not (os.path.exists(args.data_path + ".bin") and os.path.exists(args.data_path + ".idx")):
-        errors.append(
-            f"--data-path {args.data_path}: no {args.data_path}.bin/.idx; give the prefix "
-            f"written by preprocess_data.py (it ends in _text_document)"
-        )
-    for name in ("vocab_file", "merge_file"):
-        path = getattr(args, name)
-        if path is None or not os.path.exists(path):
-            errors.append(f"--{name.replace('_', '-')} {path} does not exist: run code/train_tokenizer.py")
     return errors
 
 
@@ -299,7 +306,7 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             (None, True, context_dropout_error(layout.cp, args.attention_dropout)),  # the layout's rule
             ("--ckpt-format torch_dist", args.ckpt_format == "torch_dist" and bool(args.save or args.load),
              "cp ranks hold the same weights under the same names; use --ckpt-format torch"),
-            ("--sequence-parallel", args.sequence_parallel,
+            ("--sequence-parallel", layout.sequence_parallel,
              "not combined with ring attention in this engine; drop one"),
         )
         if given and why
@@ -315,7 +322,7 @@ def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         check_schedule(args.pipeline_schedule, layout.vp)
     except ValueError as e:
         return [str(e)]
-    if layout.vp > 1 and args.sequence_parallel:
+    if layout.vp > 1 and layout.sequence_parallel:
         return [
             f"--sequence-parallel with an interleaved pipeline (v = {layout.vp}): not combined in this "
             f"engine; drop the virtual-pipeline flag or --sequence-parallel"

@@ -210,9 +210,11 @@ def load_checkpoint(
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     check_args(ckpt["args"], args, path)
     model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    set_rng_state(ckpt["rng"])
-    return ckpt["iteration"], ckpt["consumed_samples"], ckpt["scaler"]
+    if not args.no_load_optim:  # Megatron's --no-load-optim: fresh Adam moments and loss scale
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if not args.no_load_rng:
+        set_rng_state(ckpt["rng"])
+    return ckpt["iteration"], ckpt["consumed_samples"], None if args.no_load_optim else ckpt["scaler"]
 
 
 def check_args(saved: dict, args: PretrainArgs, path: str, *, may_differ: tuple[str, ...] = ()) -> None:

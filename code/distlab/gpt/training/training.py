@@ -121,12 +121,17 @@ class LocalBackend:
         scaler: DynamicLossScaler | None = None,
         overlap_grad_reduce: bool = False,
         bucket_size: int | None = None,  # elements, --ddp-bucket-size (default Megatron's)
+        reduce_dtype: torch.dtype | None = None,  # --grad-reduce-in-bf16: the buckets' all-reduce dtype
     ) -> None:
         self.module, self.optimizer, self.state = model, optimizer, state
         self.clip_grad, self.scaler = clip_grad, scaler
         size = bucket_size if bucket_size is not None else default_bucket_size(state.dp * state.cp)
         self.grad_buckets = GradBuckets(
-            list(model.parameters()), state, bucket_size=size, overlap=overlap_grad_reduce
+            list(model.parameters()),
+            state,
+            bucket_size=size,
+            overlap=overlap_grad_reduce,
+            reduce_dtype=reduce_dtype,
         )
 
     def zero_grad(self) -> None:
