@@ -200,7 +200,6 @@ def test_megatron_defaults_of_the_architecture_flags() -> None:
           "--use-torch-fsdp2"], 2, "--swiglu with --tensor-parallel-impl dtensor and tp 2"),
         (["--swiglu", "--ffn-hidden-size", "33", "--tensor-model-parallel-size", "2"], 2,
          "--ffn-hidden-size 33 .* divisible by --tensor-model-parallel-size 2"),
-        (["--swiglu", "--num-experts", "2"], 1, "--num-experts with --swiglu or --disable-bias-linear"),
     ],
 )  # fmt: skip
 def test_bad_architecture_is_refused_before_compute_with_the_values_and_the_fix(

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, network_settings, print_on
-from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
+from distlab.gpt.arguments import PretrainArgs, as_list, deepspeed_run_config, parse_split
 from distlab.gpt.arguments.architecture import query_groups
 from distlab.gpt.arguments.implementations import implementation_lines
 from distlab.gpt.checkpointing import checkpointer, checkpointing
@@ -155,7 +155,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     if layout.batch_schedule:
         print_on(rank0, ramp_line(layout))
     moe = moe_config(args)
-    print_on(rank0 and moe is not None, moe and moe.describe(layout.ep))
+    print_on(rank0 and moe is not None, moe and moe.describe(layout.ep, layout.tp))
     if state.cp > 1:
         print_on(rank0, describe_cp(args.seq_length, ring_of(state)))
     spec = TokenizerSpec.from_args(args)
@@ -322,11 +322,17 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
     """``--num-experts`` and the ``--moe-*`` flags; None for dense MLPs."""
     if args.num_experts is None:
         return None
+    [balancing], [coeff] = as_list(args.moe_router_load_balancing_type), as_list(args.moe_aux_loss_coeff)
     return MoEConfig(
         num_experts=args.num_experts,
         topk=args.moe_router_topk,
-        aux_loss_coeff=args.moe_aux_loss_coeff,
+        aux_loss_coeff=coeff,
         capacity_factor=args.moe_expert_capacity_factor,
+        token_dispatcher=args.moe_token_dispatcher_type,
+        load_balancing_type=balancing,
+        grouped_gemm=args.moe_grouped_gemm,
+        gated_linear_unit=args.swiglu,
+        add_bias_linear=args.add_bias_linear,
     )
 
 

@@ -154,19 +154,19 @@ def log_iteration(
 
 def log_moe(run: Run, *, due: bool) -> None:
     """Each MoE layer's tokens per expert and load-balancing loss of this iteration, summed over
-    the data-parallel ranks (one small all-reduce, on log iterations only), printed by the last
-    rank and kept in the history; the counters restart every iteration."""
-    group = run.state.dp_group if due and run.state.dp > 1 else None
-    layers = take_stats(run.model, group)
+    the ranks holding other tokens and gathered over the stages (small collectives, on log
+    iterations only), printed by the last rank and kept in the history; the counters restart
+    every iteration."""
+    layers = take_stats(run.model, run.state if due else None)
     if not due:
         return
     run.tlog.history.setdefault("moe", []).append({"iteration": run.iteration, "layers": layers})
     lines = [
         MOE.format(
-            it=run.iteration, layer=i, aux=s["load_balancing_loss"], dropped=s["dropped"],
+            it=run.iteration, layer=s["layer"], aux=s["load_balancing_loss"], dropped=s["dropped"],
             counts=" ".join(map(str, s["tokens_per_expert"])),
         )
-        for i, s in enumerate(layers)
+        for s in layers
     ]  # fmt: skip
     print_on(run.last_rank, *lines)
 

@@ -16,12 +16,20 @@
 
 from distlab.gpt.arguments.backends import deepspeed_run_config
 from distlab.gpt.arguments.groups import PretrainArgs
-from distlab.gpt.arguments.parser import ArgumentError, build_parser, parse_args, parse_split, profile_ranks
+from distlab.gpt.arguments.parser import (
+    ArgumentError,
+    as_list,
+    build_parser,
+    parse_args,
+    parse_split,
+    profile_ranks,
+)
 from distlab.gpt.arguments.validation import build_layout, validate_args, virtual_stages
 
 __all__ = [
     "ArgumentError",
     "PretrainArgs",
+    "as_list",
     "build_layout",
     "build_parser",
     "deepspeed_run_config",

@@ -88,9 +88,4 @@ def architecture_args_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             f"--no-position-embedding with --position-embedding-type {args.position_embedding_type}: "
             f"Megatron-LM deprecated the flag; use --position-embedding-type none (or rope)"
         )
-    if args.num_experts is not None and (args.swiglu or not args.add_bias_linear):
-        errors.append(
-            "--num-experts with --swiglu or --disable-bias-linear: this engine's experts (moe/) are GeLU "
-            "MLPs with biases; drop those flags or --num-experts"
-        )
     return errors + _dtensor_architecture_errors(args, layout)

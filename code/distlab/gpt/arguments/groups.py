@@ -183,19 +183,36 @@ class DistributedArgs:
 
 @dataclass
 class MoEArgs:
-    """Mixture of experts (Megatron's ``_add_moe_args``)."""
+    """Mixture of experts (Megatron's ``_add_moe_args`` and the MoE fields of its ``TransformerConfig``)."""
 
     num_experts: int = _f(
         None, "experts E per MoE layer: every block's MLP becomes a router and E experts (None: dense)"
     )
     expert_model_parallel_size: int = _f(
         1,
-        "ep: the data-parallel ranks over which each layer's experts are split (E / ep per rank); divides dp",
+        "ep: the data-parallel (x context-parallel) ranks over which each layer's experts are split "
+        "(E / ep per rank); divides dp x cp",
+    )
+    expert_tensor_parallel_size: int = _f(
+        None,
+        "etp: tensor parallelism inside each expert (default: --tensor-model-parallel-size, the only "
+        "size built here: the experts' MLPs are split over the tp ranks)",
     )
     moe_router_topk: int = _f(2, "k: experts per token (softmax over the k largest router logits)")
-    moe_aux_loss_coeff: float = _f(
+    moe_router_load_balancing_type: list = _f(
+        "aux_loss",
+        "aux_loss (Switch/GShard, per micro-batch) or none; Megatron's seq_aux_loss, global_aux_loss, "
+        "sinkhorn and quantile_balancing are refused with the reason",
+        nargs="+",
+        type=str,
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"],
+    )
+    moe_aux_loss_coeff: list = _f(
         0.0,
-        "weight of the Switch/GShard load-balancing loss E sum_i f_i P_i added to the lm loss (1e-2 is a start)",
+        "weight of the Switch/GShard load-balancing loss E sum_i f_i P_i added to the lm loss (1e-2 is a "
+        "start); one per --moe-router-load-balancing-type",
+        nargs="+",
+        type=float,
     )
     moe_expert_capacity_factor: float = _f(
         None,
@@ -204,9 +221,15 @@ class MoEArgs:
     )
     moe_token_dispatcher_type: str = _f(
         "allgather",
-        "how tokens reach experts on other ranks: alltoall (all_to_all_single of uneven splits, the one this "
-        "engine implements; needed when --expert-model-parallel-size > 1); allgather is Megatron's default",
-        choices=["allgather", "alltoall"],
+        "how tokens reach experts on other ranks: allgather (Megatron's default: every token to every "
+        "rank of the tp x ep group, reduce-scatter back) or alltoall (only the routed pairs travel, in "
+        "uneven all-to-alls)",
+        choices=["allgather", "alltoall", "flex"],
+    )
+    moe_grouped_gemm: bool = _f(
+        False,
+        "Megatron: one grouped GEMM (Transformer Engine, CUDA) for the local experts; accepted here, where "
+        "the local experts run in a loop (the log says so)",
     )
 
 

@@ -74,6 +74,11 @@ def parse_split(split: str) -> list[float]:
     return [p / sum(parts) for p in parts]
 
 
+def as_list(value) -> list:
+    """A flag of Megatron's ``nargs='+'`` as a list: its default is one value, a given flag a list."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def profile_ranks(args: PretrainArgs) -> set[int]:
     """The global ranks named by ``--profile-ranks`` ("0,2" -> {0, 2})."""
     return {int(r) for r in args.profile_ranks.split(",") if r.strip()}

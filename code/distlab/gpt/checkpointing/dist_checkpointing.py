@@ -153,6 +153,11 @@ def load_checkpoint(
 ) -> tuple[int, int, dict | None] | None:
     """Restore from ``args.load`` in the run's own sharding; return ``(iteration,
     consumed_samples, scaler_state)``, or None when the folder holds no checkpoint yet."""
+    if checkpointing.is_release(args.load):
+        raise FileNotFoundError(
+            f"{args.load} holds a release checkpoint (model only, one file per tp x pp rank, as "
+            f"convert_checkpoint.py writes): load it with --ckpt-format torch"
+        )
     iteration = checkpointing.read_tracker(args.load)
     if iteration is None:
         return None

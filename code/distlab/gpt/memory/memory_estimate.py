@@ -84,9 +84,9 @@ backward, which ends before any block is rebuilt: the peak adds the larger of th
 SwiGLU's 3 h F weights, no biases with ``--disable-bias-linear``, one weight per RMSNorm; no
 position table with RoPE; the last stage an untied (V / t, h) output layer (:func:`layer_parameters`).
 
-**Mixture of experts** (``--num-experts E``, tp = pp = 1): each block's MLP (8 h^2 + 5 h) becomes
-a router (E h) and this rank's E / ep experts, (E / ep)(8 h^2 + 5 h): expert parameters, their
-gradients and optimizer state divide by ep. Activations are counted as the dense MLP's (the k
+**Mixture of experts** (``--num-experts E``): each block's MLP ((8 h^2 + 4 h) / tp + h on a rank: its
+fc2 bias whole) becomes a router (E h) and this rank's E / ep experts, each split over tp as the
+MLP (etp = tp): expert parameters, their gradients and optimizer state divide by ep x tp. Activations are counted as the dense MLP's (the k
 routed copies of each token are not in the estimate).
 
 **Context parallelism** (``context_parallel/ring_attention.py``): a rank holds s / cp tokens of every sample,
@@ -150,9 +150,10 @@ def _norm_parameters(c: MemorySetup) -> int:
 
 
 def _mlp_parameters(c: MemorySetup) -> int:
-    """The dense MLP's weights and biases (GPT-2: 8 h^2 + 5 h)."""
+    """One MLP's parameters on a rank, split over tp but for fc2's bias (GPT-2: (8 h^2 + 4 h) / tp + h)."""
     h, f = c.hidden_size, c.ffn_hidden_size or 4 * c.hidden_size
-    return (3 if c.swiglu else 2) * h * f + ((2 * f if c.swiglu else f) + h if c.add_bias_linear else 0)
+    split = (3 if c.swiglu else 2) * h * f + ((2 * f if c.swiglu else f) if c.add_bias_linear else 0)
+    return split // c.tp + (h if c.add_bias_linear else 0)
 
 
 def stage_parameters(c: MemorySetup) -> int:
@@ -160,7 +161,7 @@ def stage_parameters(c: MemorySetup) -> int:
     h = c.hidden_size
     split, replicated = layer_parameters(c)
     layer = split // c.tp + replicated
-    if c.num_experts is not None:  # the MLP -> router E h + E / ep experts (tp = 1)
+    if c.num_experts is not None:  # the MLP -> router E h + E / ep experts, each split over tp as the MLP
         layer += c.num_experts * h + (c.num_experts // c.ep - 1) * _mlp_parameters(c)
     vocab = c.vocab_size * h // _vocab_split(c)
     n = (c.num_layers // c.pp) * layer + vocab

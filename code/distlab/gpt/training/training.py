@@ -42,6 +42,7 @@ from distlab.gpt.interfaces import (
     StepResult,
     mean_backward,
 )
+from distlab.gpt.moe.moe_layer import set_aux_loss_scale
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.transformer.model import GPTModel
@@ -176,8 +177,12 @@ def train_step(
     forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
 ) -> StepResult:
     """The one step loop: zero grads, forward/backward every micro-batch through the back end's
-    hook, the mean loss over the data-parallel ranks, the back end's optimizer step."""
+    hook, the mean loss over the data-parallel ranks, the back end's optimizer step. The MoE
+    layers' aux losses get the lm loss's backward factor ``S / m`` (Megatron's
+    ``MoEAuxLossAutoScaler.set_loss_scale`` in its forward step)."""
     backend.zero_grad()
+    scaler = getattr(backend, "scaler", None)  # LocalBackend's (fp16); other back ends have no MoE
+    set_aux_loss_scale(backend.module, (scaler.scale if scaler is not None else 1.0) / len(batches))
     loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
     loss = reduce_loss(loss, state)
     outcome = backend.step()

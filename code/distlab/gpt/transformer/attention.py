@@ -31,6 +31,7 @@ K/V as multi-head attention does. Every backend computes the same thing.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ from distlab.gpt.tensor_parallel.rng_tracker import checkpoint, fork_if
 from distlab.gpt.transformer.config import GPTConfig
 from distlab.gpt.transformer.recompute import EXPLICIT_BACKENDS
 from distlab.gpt.transformer.rope import apply_rotary
+
+if TYPE_CHECKING:  # the cache lives in inference/, above this layer: attention only calls it
+    from distlab.gpt.inference.kv_cache import LayerCache
 
 
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -80,17 +84,23 @@ class SelfAttention(nn.Module):
         )
         self.proj = RowParallelLinear(n * d, cfg.hidden_size, group=group, bias=bias, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor, *, rotary: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, *, rotary: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         """x (b, T, H) replicated over the tp ranks, or (b, T/tp, H) with sequence parallelism;
-        ``rotary`` the RoPE angles (T, d_rot) of the T positions attention sees (None: no RoPE)
-        -> this rank's partial (b, T, H) reduced over tp (or reduce-scattered to (b, T/tp, H))."""
+        ``rotary`` the RoPE angles (T, d_rot) of the T positions attention sees (None: no RoPE);
+        ``cache`` (generation) the keys and values of the positions before them, to which the new
+        ones are appended -> this rank's partial (b, T, H) reduced over tp (or reduce-scattered to
+        (b, T/tp, H))."""
         q, k, v = self.query_key_value(x)  # (b, T, n/tp, d), (b, T, g_here, d) twice
         if rotary is not None:
             q, k = apply_rotary(q, rotary[:, None]), apply_rotary(k, rotary[:, None])  # (T, 1, d_rot) angles
         # each its own storage (a view kept for backward would keep the whole qkv output alive), in
         # (b, T, heads, d) order: the core attention's output is then the projection's input as it is
         q, k, v = (t.contiguous().transpose(1, 2) for t in (q, k, v))  # (b, heads, T, d)
-        if self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
+        if cache is not None:  # generation: the T new queries against every key so far
+            y = cached_attention(q, *cache.update(k, v))  # keys, values: (b, g_here, P + T, d)
+        elif self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
             y = checkpoint(self.core_attention, q, k, v)  # replays both random streams
         else:
             y = self.core_attention(q, k, v)
@@ -131,3 +141,12 @@ class SelfAttention(nn.Module):
             return ring_attention(q, k, v, self.ring)
         with fork_if(p > 0):
             return unfused_attention(q, k, v, p)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + M) V for the last T of P + T positions: q (b, n, T, d), k and v
+    (b, g, P + T, d) -> (b, n, T, d); query i sees keys 0 .. P + i (M: -inf elsewhere); each K/V
+    head serves n / g query heads."""
+    T, S = q.shape[-2], k.shape[-2]
+    sees = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, P + T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sees, enable_gqa=q.shape[1] > k.shape[1])

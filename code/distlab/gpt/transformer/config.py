@@ -81,7 +81,7 @@ class GPTConfig:
     """auto, flash, fused: ``F.scaled_dot_product_attention``; unfused, local: the explicit product."""
     seed: int = 1234
     moe: MoEConfig | None = None
-    """None: dense MLPs; else every block's MLP is a mixture of experts (tp = pp = 1)."""
+    """None: dense MLPs; else every block's MLP is a mixture of experts."""
     sequence_parallel: bool = False
     """``--sequence-parallel``: activations outside the tp GEMMs split along T (needs tp > 1)."""
 

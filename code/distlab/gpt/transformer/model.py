@@ -36,9 +36,12 @@ sums the two gradients, so they stay equal. Untied (``--untie-embeddings-and-out
 last stage's ``output_layer`` is a weight of its own, drawn from its own name, and nothing is summed.
 
 Mixture of experts (``moe/moe_layer.py``, ``moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
-becomes a router and E experts, split over the ep ranks of the layout's expert groups; the last
-stage attaches ``coeff sum_layers l_aux`` to the per-token loss for backward (the returned values
-stay the lm loss).
+becomes a router and E experts, split over the ep ranks of the layout's expert groups (and over
+tp, etp = tp); each layer attaches its ``coeff l_aux`` to its output for backward (the returned
+values stay the lm loss).
+
+Generation (``inference/kv_cache.py``): with a ``cache`` each block's attention appends its new
+keys and values (its g K/V heads) and attends to all of them; positions start after the cached ones.
 
 Context parallelism (``context_parallel/ring_attention.py``): with cp > 1 each rank holds T / cp tokens of
 every sample (two of 2 cp chunks, their global positions from ``context_parallel.positions``)
@@ -66,13 +69,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_of
 from distlab.gpt.layout import context_dropout_error, raise_errors, sequence_parallel_error
-from distlab.gpt.moe.moe_layer import MoELayer, attach_aux_loss
+from distlab.gpt.moe.moe_layer import MoELayer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -90,6 +94,9 @@ from distlab.gpt.transformer.mlp import MLP
 from distlab.gpt.transformer.norms import Norm
 from distlab.gpt.transformer.recompute import checkpoint_groups, recompute_errors
 from distlab.gpt.transformer.rope import rotary_angles
+
+if TYPE_CHECKING:  # the cache lives in inference/, above this layer: the model only calls it
+    from distlab.gpt.inference.kv_cache import KVCache, LayerCache
 
 __all__ = ["Block", "GPTConfig", "GPTModel", "init_parameters"]
 
@@ -110,9 +117,7 @@ class Block(nn.Module):
         if cfg.moe is None:
             self.mlp = MLP(cfg, group)
         else:  # the experts of this rank's place in its expert-parallel group
-            ep, ep_rank = (state.ep, state.ep_rank) if state is not None else (1, 0)
-            ep_group = state.ep_group if ep > 1 else None
-            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, ep_group=ep_group, ep=ep, ep_rank=ep_rank)
+            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, state)
         self.drop = nn.Dropout(cfg.hidden_dropout)
         self.dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
         #: The residual stream is this rank's T / tp positions (SP, this engine's or DTensor's,
@@ -124,10 +129,13 @@ class Block(nn.Module):
             for p in (*self.ln1.parameters(), *self.ln2.parameters()):
                 mark_sequence_parallel(p)
 
-    def forward(self, x: torch.Tensor, *, rotary: torch.Tensor | None = None) -> torch.Tensor:
-        """(b, T, H) -> (b, T, H), T/tp with SP; ``rotary``: RoPE's (T, d_rot) angles or None."""
+    def forward(
+        self, x: torch.Tensor, *, rotary: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """(b, T, H) -> (b, T, H), T/tp with SP; ``rotary``: RoPE's (T, d_rot) angles or None;
+        ``cache``: this block's keys and values so far (generation)."""
         with fork_if(self.sequence_parallel and self.dropout and self.training):
-            x = x + self.drop(self.attn(self.ln1(x), rotary=rotary))
+            x = x + self.drop(self.attn(self.ln1(x), rotary=rotary, cache=cache))
             return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -220,21 +228,29 @@ class GPTModel(nn.Module):
             return None
         return self.output_embedding()
 
-    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+    def positions(self, length: int, device: torch.device, first: int = 0) -> torch.Tensor:
         """Global positions (length,) of the ``length`` tokens of each sample attention sees on this
-        rank: its two chunks' with context parallelism, else 0 .. length - 1."""
+        rank: its two chunks' with context parallelism, else first .. first + length - 1 (``first``:
+        the tokens already in a KV cache)."""
         if self.ring is not None:
             return positions(length, self.ring, device)
-        return torch.arange(length, device=device)
+        return torch.arange(first, first + length, device=device)
 
     def forward(
-        self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None, chunk: int = 0
+        self,
+        tokens: torch.Tensor | None,
+        labels: torch.Tensor | None = None,
+        chunk: int = 0,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """tokens (b, T) -> per-token loss (b, T) if labels are given on the last (virtual) stage,
         logits (b, T, V) without labels, hidden states (b, T, H) on other stages and chunks (T: this
-        rank's T / cp tokens with context parallelism; T / tp outside the GEMMs with SP)."""
+        rank's T / cp tokens with context parallelism; T / tp outside the GEMMs with SP). With a
+        ``cache`` (generation, one whole model: ``distlab.gpt.inference.kv_cache``) the tokens sit
+        at positions ``cache.length`` on, and every block appends its keys and values to it."""
+        cached = cache.length if cache is not None else 0
         if self.is_first and chunk == 0:
-            pos = self.positions(tokens.shape[1], tokens.device)  # (T,), global
+            pos = self.positions(tokens.shape[1], tokens.device, cached)  # (T,), global
             h = self.wte(tokens)  # (b, T, H), or this rank's (b, T/tp, H) with SP
             if self.learned:
                 h = h + self.wpe(pos.chunk(self.sp_size)[self.sp_rank])  # SP: my T/tp positions' rows
@@ -245,14 +261,14 @@ class GPTModel(nn.Module):
                 h = self.drop(h)  # (b, T, H) or (b, T/tp, H)
         else:
             h = self.input_tensor
-            pos = self.positions(h.shape[1] * self.sp_size, h.device) if self.rotary_dim else None
+            pos = self.positions(h.shape[1] * self.sp_size, h.device, cached) if self.rotary_dim else None
         rotary = rotary_angles(pos, self.rotary_dim, self.cfg.rotary_base) if self.rotary_dim else None
         blocks = list(self.layers.values())[chunk * self.per_chunk : (chunk + 1) * self.per_chunk]
         for first, end, checkpointed in self.groups:  # full recomputation: keep each group's input only
             if checkpointed and self.training:
                 h = checkpoint(_run_blocks, blocks[first:end], h, rotary)  # replays both random streams
             else:
-                h = _run_blocks(blocks[first:end], h, rotary)
+                h = _run_blocks(blocks[first:end], h, rotary, cache)
         if not (self.is_last and chunk == self.chunks - 1):
             return h
         logits = parallel_lm_logits(  # (b, T, V/tp): all-gathered along T first with SP
@@ -260,15 +276,14 @@ class GPTModel(nn.Module):
         )
         if labels is None:
             return gather_from_tensor_parallel(logits, self.tp_group)  # (b, T, V)
-        loss = vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
-        if self.cfg.moe is not None:
-            loss = attach_aux_loss(loss, self, self.cfg.moe.aux_loss_coeff)
-        return loss
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
 
 
-def _run_blocks(blocks: list[Block], h: torch.Tensor, rotary: torch.Tensor | None) -> torch.Tensor:
-    for block in blocks:
-        h = block(h, rotary=rotary)  # (b, T, H); a keyword: DTensor's input plans see h alone
+def _run_blocks(
+    blocks: list[Block], h: torch.Tensor, rotary: torch.Tensor | None, cache: KVCache | None = None
+) -> torch.Tensor:
+    for block in blocks:  # keywords: DTensor's input plans see h alone
+        h = block(h, rotary=rotary, cache=cache.layer(block) if cache is not None else None)  # (b, T, H)
     return h
 
 
