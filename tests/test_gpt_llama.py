@@ -277,3 +277,20 @@ def test_llama_memory_estimate_counts_its_parameters_and_activations() -> None:
         )
         estimated = block_bytes(MemorySetup(1, h, a, s, V, b, attention_backend=backend, **arch))
         assert estimated <= measured <= 1.04 * estimated, (backend, measured, estimated)
+
+
+def test_llama_generation_with_the_kv_cache_equals_the_whole_sequence() -> None:
+    """RoPE at the positions after the cached ones and grouped K/V in the cache: the logits of
+    chunk-by-chunk decoding are the whole sequence's, and the cache holds g, not n, heads."""
+    from distlab.gpt.inference.kv_cache import KVCache
+
+    model = GPTModel(GPTConfig(**{**SHAPE, "max_position_embeddings": 20}, **LLAMA)).eval()
+    tokens = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = model(tokens)  # (2, 20, V)
+        cache, steps = KVCache(20), []
+        for chunk in (tokens[:, :7], tokens[:, 7:8], tokens[:, 8:15], *tokens[:, 15:].split(1, dim=1)):
+            steps.append(model(chunk, cache=cache))
+            cache.advance(chunk.shape[1])
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+    assert cache.nbytes() == 2 * 2 * 2 * 2 * 20 * 8 * 4  # 2 L b g max_length d x 4 bytes: g = 2 of n = 4
