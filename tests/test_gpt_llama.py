@@ -173,7 +173,7 @@ def test_megatron_defaults_of_the_architecture_flags() -> None:
     args, _ = _validated("--swiglu", "--hidden-size", "96", world=1)
     assert (args.ffn_hidden_size, args.kv_channels) == (256, 24)  # int(4 x 96 x 2/3 / 64) x 64; 96 / 4
     args, _ = _validated(world=1)
-    assert (args.ffn_hidden_size, args.kv_channels) == (128, 8)  # 4H, H / n
+    assert (args.ffn_hidden_size, args.kv_channels) == (None, 8)  # None: 4H (as checkpoints record it); H / n
     flags = parse_args([*TINY_GPT_ARGV, "--disable-bias-linear", "--no-position-embedding", "--apply-layernorm-1p",
                         "--norm-epsilon", "1e-6"])  # fmt: skip
     assert (flags.add_bias_linear, flags.add_position_embedding, flags.layernorm_zero_centered_gamma) == (

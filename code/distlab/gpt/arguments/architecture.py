@@ -1,7 +1,8 @@
 """The architecture flags (``--normalization``, ``--swiglu``, ``--group-query-attention``, RoPE, ...):
 Megatron's defaults filled in and every rule checked before a process group exists.
 
-Defaults, as Megatron-LM's ``validate_args`` sets them: ``--ffn-hidden-size`` is 4H, or with
+Defaults, as Megatron-LM's ``validate_args`` sets them: ``--ffn-hidden-size`` is 4H (left None
+here, which the model reads as 4H, so that checkpoints record what they always did), or with
 ``--swiglu`` ``int(4H x 2/3 / 64) x 64`` (three matrices of that width hold about the parameters
 of GeLU's two of 4H); ``--kv-channels`` is H / n. Without ``--group-query-attention`` the query
 groups are the heads, whatever ``--num-query-groups`` says (megatron-core gets None).
@@ -17,8 +18,8 @@ from distlab.gpt.transformer.config import architecture_errors, rotary_errors
 def fill_architecture_defaults(args: PretrainArgs) -> None:
     """``--ffn-hidden-size`` and ``--kv-channels`` when not given (Megatron's rules)."""
     h, n = args.hidden_size, args.num_attention_heads
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = int((4 * h * 2 / 3) / 64) * 64 if args.swiglu else 4 * h
+    if args.ffn_hidden_size is None and args.swiglu:  # without it None stays 4H (GPTConfig.ffn), as
+        args.ffn_hidden_size = int((4 * h * 2 / 3) / 64) * 64  # checkpoints and converted models record it
     if args.kv_channels is None and h % n == 0:
         args.kv_channels = h // n
 
@@ -78,9 +79,10 @@ def architecture_args_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         )
     elif args.position_embedding_type == "rope":
         errors += rotary_errors(args.kv_channels, args.rotary_percent)
-    if args.ffn_hidden_size < 1 or args.ffn_hidden_size % layout.tp:
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    if ffn < 1 or ffn % layout.tp:
         errors.append(
-            f"--ffn-hidden-size {args.ffn_hidden_size} (the MLP width{', from --swiglu' * args.swiglu}) must be "
+            f"--ffn-hidden-size {ffn} (the MLP width{', from --swiglu' * args.swiglu}) must be "
             f">= 1 and divisible by --tensor-model-parallel-size {layout.tp}: give --ffn-hidden-size"
         )
     if not args.add_position_embedding and args.position_embedding_type != "rope":
