@@ -50,8 +50,10 @@ never up (``tests/test_imports.py`` checks it)::
     optimizer/         optimizer (AdamW, LR schedule), loss_scaler (fp16), precision
                        ~ optimizer/, optimizer_param_scheduler.py
     distributed/       grad_buckets (dp reduction overlapped with backward), gradients (tied
-                       embedding, dp all-reduce, norm, clipping)
-                       ~ distributed/ param_and_grad_buffer, finalize_model_grads; optimizer/clip_grads
+                       embedding, dp all-reduce, norm, clipping), param_and_grad_buffer and
+                       distrib_optimizer (--use-distributed-optimizer: ZeRO-1 over dp x cp)
+                       ~ distributed/ param_and_grad_buffer, finalize_model_grads; optimizer/clip_grads,
+                       optimizer/distrib_optimizer.py
     checkpointing/     checkpointing (Megatron's legacy format), dist_checkpointing (DCP: torch_dist),
                        checkpointer (the run's saves, --async-save)
                        ~ training/checkpointing.py, dist_checkpointing/

@@ -44,6 +44,7 @@ from distlab.gpt.data.mock_dataset import MockIndexedDataset
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.deepspeed import config as deepspeed_config
 from distlab.gpt.deepspeed import engine as deepspeed_engine
+from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer, distributed_optimizer_line
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.meters import PeakMeter, cap_device_memory
@@ -173,7 +174,12 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     peak_meter = PeakMeter(device).start()
     model = _build_model(args, state, vocab, device)
     mesh = parallelize_model(args, state, model, device)
-    optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()  # on the shards with FSDP2
+    if args.use_distributed_optimizer:  # Megatron's: parameters in the run's dtype, fp32 main shards
+        optimizer = build_distributed_optimizer(model, state, args, precision.dtype)
+        print_on(rank0, distributed_optimizer_line(optimizer, precision.dtype))
+    else:
+        optimizer = build_optimizer(model, args)  # on the shards with FSDP2
+    scaler = precision.loss_scaler()
     timeline = None
     if args.pipeline_timeline:
         timeline = PipelineTimeline(state.pp_rank, state.pp, device, group=state.pp_group)

@@ -153,6 +153,17 @@ class DistributedArgs:
         "start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as "
         "its last gradient is accumulated; the step waits for all before the optimizer (pp 1 only here)",
     )
+    use_distributed_optimizer: bool = _f(
+        False,
+        "Megatron's distributed optimizer (ZeRO-1): parameters in the run's dtype in bucketed buffers, "
+        "fp32 gradients reduce-scattered per bucket, fp32 main parameters and Adam's moments sharded "
+        "over dp x cp, updated parameters all-gathered: 6 + 12/d bytes per parameter (bf16), 8 + 8/d (fp32)",
+    )
+    overlap_param_gather: bool = _f(
+        False,
+        "with --use-distributed-optimizer and --overlap-grad-reduce: each bucket's parameter all-gather "
+        "runs while the next forward goes on, waited for by the first module that uses the bucket",
+    )
     ddp_bucket_size: int = _f(
         None,
         "elements per gradient bucket (buckets fill in the reverse of the parameters' order); default "

@@ -19,6 +19,7 @@ from distlab.gpt.arguments.backends import (
     _torch_fsdp2_errors,
 )
 from distlab.gpt.arguments.data_checks import data_errors, tokenizer_errors
+from distlab.gpt.arguments.distrib_optimizer_rules import distributed_optimizer_errors
 from distlab.gpt.arguments.groups import PretrainArgs
 from distlab.gpt.arguments.implementations import apply_profile_flags, implementation_errors
 from distlab.gpt.arguments.parser import as_list, parse_split, profile_ranks
@@ -85,6 +86,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_context_parallel_errors(args, layout),
         *_interleaving_errors(args, layout),
         *_grad_reduce_errors(args, layout),
+        *distributed_optimizer_errors(args, layout),
     ]
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))

@@ -17,7 +17,9 @@ ZeRO's count is Rajbhandari et al. (2020), the one DeepSpeed's mixed precision h
 table (its distributed-optimizer documentation, without the distributed optimizer) gives 20 bytes
 with fp16 parameters and gradients (the gradients are copied to fp32 main gradients for the step)
 and 18 with bf16 parameters and fp32 gradients; its distributed optimizer shards the fp32 main
-parameters and moments (with fp16, the fp32 main gradients too): 4 + 16/dp and 6 + 12/dp.
+parameters and moments (with fp16, the fp32 main gradients too): 4 + 16/dp and 6 + 12/dp. This
+engine's (``--use-distributed-optimizer``) keeps bf16 parameters under --bf16, as Megatron does:
+8 + 8/d (fp32), 6 + 12/d (bf16), 4 + 16/d (bf16 with --grad-reduce-in-bf16), d = dp x cp.
 
 ZeRO stage 1 divides the optimizer state by dp, stage 2 also the gradients, stage 3 also the
 parameters; offload moves the optimizer state (stage 3: also the parameters) to the CPU.
@@ -344,6 +346,8 @@ def estimate(c: MemorySetup) -> MemoryEstimate:
         shards = 0.0 if c.offload else n * 16 / c.dp  # parameters 4 + gradients 4 + Adam 8, / dp
         return MemoryEstimate(shards * 4 / 16, shards * 4 / 16, shards * 8 / 16, fsdp2_gathered_bytes(c),
                               activation_bytes(c))  # fmt: skip
+    if c.distributed_optimizer:
+        return _distributed_optimizer_estimate(c, n)
     deepspeed_mixed = c.zero_stage > 0 and c.precision in _HALF
     p_bytes, g_bytes, k = (2, 2, 12) if deepspeed_mixed else (4, 4, 8)
     params = n * p_bytes / _zero_shards(c, 3)
@@ -355,6 +359,23 @@ def estimate(c: MemorySetup) -> MemoryEstimate:
         grads *= 2  # the all-reduce's flat buffer (DDP's buckets) holds a second copy of the gradients
     copies = 2 * n if c.precision in _HALF and not deepspeed_mixed else 0.0
     return MemoryEstimate(params, grads, optim, copies, activation_bytes(c))
+
+
+def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
+    """``--use-distributed-optimizer`` (``distributed/distrib_optimizer.py``): parameters in the
+    run's dtype and the gradient buffer whole, the fp32 copies and moments over d = dp x cp::
+
+        fp32                      4 + 4 + 8 / d                 =  8 +  8 / d
+        bf16                      2 + 4 + (4 main + 8) / d      =  6 + 12 / d
+        bf16, bf16 gradients      2 + 2 + (4 + 4 + 8) / d       =  4 + 16 / d
+
+    (the padding of each bucket to a multiple of d, under d elements, is left out). The weights
+    are bf16 already: autocast makes no half copies. Activations are counted as under autocast
+    over fp32 weights (the residual stream in fp32), an upper bound for bf16 weights."""
+    d, half = c.dp * c.cp, c.precision in _HALF
+    g_bytes = 2 if c.grad_reduce_in_bf16 else 4
+    k = 8 + (4 if half else 0) + (4 if g_bytes == 2 else 0)
+    return MemoryEstimate(n * (2 if half else 4), n * g_bytes, n * k / d, 0.0, activation_bytes(c))
 
 
 def format_prediction(predicted: float, measured: float, how: str) -> str:

@@ -37,17 +37,16 @@ def is_embedding_or_output(name: str, p: nn.Parameter) -> bool:
     return getattr(p, "is_embedding_or_output_parameter", False) or name in EMBEDDING_OR_OUTPUT
 
 
-def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimizer:
-    """AdamW (Megatron's ``adam`` decouples weight decay) or SGD; no decay on biases and norms;
-    each group carries its schedule's ``max_lr`` / ``min_lr`` (``--decoupled-lr``'s for E and the
-    output layer)."""
-    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        no_decay = name.endswith(".bias") or ".ln" in name or name.startswith("ln")
-        decoupled = args.decoupled_lr is not None and is_embedding_or_output(name, p)
-        groups.setdefault((no_decay, decoupled), []).append(p)
+def group_key(name: str, p: nn.Parameter, args: PretrainArgs) -> tuple[bool, bool]:
+    """``p``'s parameter group: (no weight decay: biases and norms, ``--decoupled-lr``'s: E and
+    the output layer)."""
+    no_decay = name.endswith(".bias") or ".ln" in name or name.startswith("ln")
+    return no_decay, args.decoupled_lr is not None and is_embedding_or_output(name, p)
+
+
+def make_optimizer(groups: dict[tuple[bool, bool], list], args: PretrainArgs) -> torch.optim.Optimizer:
+    """AdamW (Megatron's ``adam`` decouples weight decay) or SGD over ``groups`` keyed by
+    :func:`group_key`; each group carries its schedule's ``max_lr`` / ``min_lr``."""
     param_groups = [
         {
             "params": params,
@@ -67,6 +66,15 @@ def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimiz
 def _decoupled_min_lr(args: PretrainArgs) -> float:
     """Megatron keeps the common ``--min-lr`` when ``--decoupled-min-lr`` is not given."""
     return args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+
+
+def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimizer:
+    """:func:`make_optimizer` over the model's trainable parameters."""
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(group_key(name, p, args), []).append(p)
+    return make_optimizer(groups, args)
 
 
 class LRSchedule:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from distlab.gpt.context_parallel.ring_attention import ring_of, split_sequence
 from distlab.gpt.data.gpt_dataset import GPTDataset
+from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.distributed.grad_buckets import GradBuckets, default_bucket_size
 from distlab.gpt.distributed.gradients import finalize_gradients
 from distlab.gpt.interfaces import (
@@ -127,12 +128,16 @@ class LocalBackend:
         self.module, self.optimizer, self.state = model, optimizer, state
         self.clip_grad, self.scaler = clip_grad, scaler
         size = bucket_size if bucket_size is not None else default_bucket_size(state.dp * state.cp)
-        self.grad_buckets = GradBuckets(
-            list(model.parameters()),
-            state,
-            bucket_size=size,
-            overlap=overlap_grad_reduce,
-            reduce_dtype=reduce_dtype,
+        self.grad_buckets = (
+            optimizer.buffer  # --use-distributed-optimizer: reduce-scatters in its own buckets
+            if isinstance(optimizer, DistributedOptimizer)
+            else GradBuckets(
+                list(model.parameters()),
+                state,
+                bucket_size=size,
+                overlap=overlap_grad_reduce,
+                reduce_dtype=reduce_dtype,
+            )
         )
 
     def zero_grad(self) -> None:
@@ -146,14 +151,18 @@ class LocalBackend:
     def step(self) -> StepOutcome:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         scale = self.scaler.scale if self.scaler is not None else None
-        grads = finalize_gradients(
-            params,
-            self.module.tied_embedding(),
-            self.state,
-            loss_scale=scale,
-            clip_grad=self.clip_grad,
-            buckets=self.grad_buckets,
-        )
+        tied = self.module.tied_embedding()
+        if isinstance(self.optimizer, DistributedOptimizer):  # on this rank's shards
+            grads = self.optimizer.finalize_gradients(tied, loss_scale=scale, clip_grad=self.clip_grad)
+        else:
+            grads = finalize_gradients(
+                params,
+                tied,
+                self.state,
+                loss_scale=scale,
+                clip_grad=self.clip_grad,
+                buckets=self.grad_buckets,
+            )
         if self.scaler is not None:
             self.scaler.update(grads.overflow)
         if grads.overflow:
@@ -165,7 +174,8 @@ class LocalBackend:
         return StepOutcome(grads.norm, skipped=False)
 
     def close(self) -> None:
-        pass
+        if isinstance(self.optimizer, DistributedOptimizer):  # no all-gather left in flight
+            self.optimizer.buffer.finish_param_sync()
 
 
 def train_step(
