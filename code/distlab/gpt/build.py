@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, network_settings, print_on
 from distlab.gpt.arguments import PretrainArgs, as_list, deepspeed_run_config, parse_split
+from distlab.gpt.arguments.architecture import query_groups
 from distlab.gpt.arguments.implementations import implementation_lines
 from distlab.gpt.checkpointing import checkpointer, checkpointing
 from distlab.gpt.context_parallel.ring_attention import describe as describe_cp
@@ -336,6 +337,8 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
         token_dispatcher=args.moe_token_dispatcher_type,
         load_balancing_type=balancing,
         grouped_gemm=args.moe_grouped_gemm,
+        gated_linear_unit=args.swiglu,
+        add_bias_linear=args.add_bias_linear,
     )
 
 
@@ -352,6 +355,17 @@ def build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: to
         vocab_size=vocab,
         max_position_embeddings=args.max_position_embeddings,
         ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=query_groups(args),
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon,
+        layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma,
+        add_bias_linear=args.add_bias_linear,
+        swiglu=args.swiglu,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,

@@ -50,6 +50,7 @@ class StepResult:
     grad_norm: float | None
     skipped: bool
     nan: bool
+    forward_backward_ms: float = 0.0  # this rank's own forward and backward (--log-straggler)
 
 
 class StepBackend(Protocol):

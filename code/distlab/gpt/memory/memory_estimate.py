@@ -34,6 +34,9 @@ This course's GPT has no dropout (dropout 0). In units of s b h values (t = tp),
     residual stream (LN1 and LN2 inputs), always fp32                          2
     LN1 and LN2 outputs (qkv and fc1 inputs), whole on every tp rank           2
     q k v 3, attention output = proj input 1, GeLU input 4, fc2 input 4       12 / t
+      (Llama: q and output 2 a d / h, K/V 2 g d / h (fused attention keeps the g
+      grouped heads), SwiGLU's gate, up, silu(gate), product 4 F / h; each RMSNorm
+      also its normalised input, fp32: + 2 with the residual stream's terms)
     --attention-backend unfused|local only: the softmax probabilities,
       a s / h (the b a s^2 / t scores), fp32 and, under autocast, a half copy   a s / (h t)
 
@@ -79,6 +82,10 @@ are T / t of the sequence as well.
 The loss head keeps the fp32 log-softmax (b s V) and needs two more b s V fp32 tensors in its
 backward, which ends before any block is rebuilt: the peak adds the larger of the two.
 
+**Llama's blocks** (``transformer/config.py``): a block holds qkv h (a + 2g) d, proj a d h and
+SwiGLU's 3 h F weights, no biases with ``--disable-bias-linear``, one weight per RMSNorm; no
+position table with RoPE; the last stage an untied (V / t, h) output layer (:func:`layer_parameters`).
+
 **Mixture of experts** (``--num-experts E``): each block's MLP ((8 h^2 + 4 h) / tp + h on a rank: its
 fc2 bias whole) becomes a router (E h) and this rank's E / ep experts, each split over tp as the
 MLP (etp = tp): expert parameters, their gradients and optimizer state divide by ep x tp. Activations are counted as the dense MLP's (the k
@@ -122,15 +129,48 @@ def num_parameters(L: int, h: int, V: int, s: int) -> int:
     return L * (12 * h * h + 13 * h) + (V + s) * h + 2 * h
 
 
+def layer_parameters(c: MemorySetup) -> tuple[int, int]:
+    """One dense block's parameters (split over tp, replicated on every tp rank). GPT-2:
+    (12 h^2 + 7 h, 6 h): qkv, proj, fc1, fc2 weights, qkv and fc1 biases; proj and fc2 biases and
+    two LayerNorms. Llama: qkv h (a + 2g) d, proj a d h, the MLP 3 h F (SwiGLU), no biases, two
+    RMSNorm weights (``transformer/config.py``)."""
+    h, a = c.hidden_size, c.num_attention_heads
+    d = c.kv_channels or h // a
+    g = c.num_query_groups or a
+    f = c.ffn_hidden_size or 4 * h
+    fc1 = 2 * f if c.swiglu else f  # [gate; up] with SwiGLU
+    split = h * (a + 2 * g) * d + a * d * h + h * fc1 + f * h
+    replicated = 2 * _norm_parameters(c)
+    if c.add_bias_linear:
+        split += (a + 2 * g) * d + fc1
+        replicated += 2 * h
+    return split, replicated
+
+
+def _norm_parameters(c: MemorySetup) -> int:
+    return 2 * c.hidden_size if c.normalization == "LayerNorm" else c.hidden_size
+
+
+def _mlp_parameters(c: MemorySetup) -> int:
+    """One MLP's parameters on a rank, split over tp but for fc2's bias (GPT-2: (8 h^2 + 4 h) / tp + h)."""
+    h, f = c.hidden_size, c.ffn_hidden_size or 4 * c.hidden_size
+    split = (3 if c.swiglu else 2) * h * f + ((2 * f if c.swiglu else f) if c.add_bias_linear else 0)
+    return split // c.tp + (h if c.add_bias_linear else 0)
+
+
 def stage_parameters(c: MemorySetup) -> int:
     """Parameters on the first pipeline stage's rank (it holds the embeddings): matrices / tp."""
     h = c.hidden_size
-    split = 12 * h * h + 7 * h  # qkv, proj, fc1, fc2 weights; qkv (3h) and fc1 (4h) biases
-    layer = split // c.tp + 6 * h  # + two LayerNorms (4h), proj and fc2 biases (2h), replicated
-    if c.num_experts is not None:  # the MLP's (8h^2 + 4h) / tp + h -> router E h + E / ep such experts
-        layer += c.num_experts * h + (c.num_experts // c.ep - 1) * ((8 * h * h + 4 * h) // c.tp + h)
-    n = (c.num_layers // c.pp) * layer + c.vocab_size * h // _vocab_split(c) + c.seq_length * h
-    return n + (2 * h if c.pp == 1 else 0)
+    split, replicated = layer_parameters(c)
+    layer = split // c.tp + replicated
+    if c.num_experts is not None:  # the MLP -> router E h + E / ep experts, each split over tp as the MLP
+        layer += c.num_experts * h + (c.num_experts // c.ep - 1) * _mlp_parameters(c)
+    vocab = c.vocab_size * h // _vocab_split(c)
+    n = (c.num_layers // c.pp) * layer + vocab
+    n += c.seq_length * h if c.position_embedding_type == "learned_absolute" else 0
+    if c.pp == 1:  # also the last stage: the final norm and an untied output layer
+        n += _norm_parameters(c) + (vocab if c.untie_embeddings_and_output_weights else 0)
+    return n
 
 
 def _vocab_split(c: MemorySetup) -> int:
@@ -174,14 +214,34 @@ def scores_bytes(c: MemorySetup) -> float:
     return per_value * c.micro_batch_size * c.num_attention_heads * c.seq_length**2 / c.tp
 
 
+def split_activations(c: MemorySetup) -> float:
+    """The values of one block split by tp, in units of s b h (GPT-2: 12): q, K and V as the core
+    attention keeps them (fused attention: g K/V heads; explicit and ring attention: repeated to a),
+    its output (the projection's input), and the MLP's: GeLU's input and output (2 F), or SwiGLU's
+    gate, up, silu(gate) and their product (4 F)."""
+    h, a = c.hidden_size, c.num_attention_heads
+    d, f = c.kv_channels or h // a, c.ffn_hidden_size or 4 * h
+    grouped = c.attention_backend not in EXPLICIT_BACKENDS and c.cp == 1
+    g = (c.num_query_groups or a) if grouped else a
+    return (2 * a * d + 2 * g * d + (4 if c.swiglu else 2) * f) / h
+
+
 def block_bytes(c: MemorySetup) -> float:
     """One block's stored activations without recomputation (see the module docstring)."""
     per_value = 2 if c.precision in _HALF else 4
-    residual, whole, split = 2, 2, 12  # fp32 LN inputs; LN outputs (/ t with Megatron's SP); split by tp
+    # fp32 LN inputs; LN outputs (/ t with Megatron's SP); split by tp
+    residual, whole, split = 2, 2, split_activations(c)
     # DTensor's plan keeps the LN outputs gathered for qkv's and fc1's weight gradients
     ln_out = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)
-    outside = _outside_sbh(c) * 4 * residual + ln_out * per_value * whole
+    outside = _outside_sbh(c) * 4 * (residual + 2 * _rms_extra(c)) + ln_out * per_value * whole
     return outside + _sbh(c) * per_value * split / c.tp + scores_bytes(c)
+
+
+def _rms_extra(c: MemorySetup) -> int:
+    """s b h per norm PyTorch's ``F.rms_norm`` keeps besides its input, in fp32 under autocast too:
+    its normalised input x / rms(x), for the weight's gradient (LayerNorm's fused kernel keeps
+    only the input, its mean and 1 / std)."""
+    return 1 if c.normalization == "RMSNorm" else 0
 
 
 def _groups(c: MemorySetup) -> list[tuple[int, int, bool]]:
@@ -232,7 +292,7 @@ def head_bytes(c: MemorySetup) -> float:
     """Loss head: final LN in/out (2 sbh fp32, / t with SP) and three b s V fp32 tensors at its backward."""
     bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / _vocab_split(c)
     ln_f = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)  # DTensor gathers before ln_f
-    return 4 * (2 * ln_f + 3 * bsv)
+    return 4 * ((2 + _rms_extra(c)) * ln_f + 3 * bsv)
 
 
 def activation_bytes(c: MemorySetup) -> float:
@@ -273,8 +333,7 @@ def fsdp2_gathered_bytes(c: MemorySetup) -> float:
     """FSDP2's unsharded parameters during compute, in the parameters' dtype (bf16 with --bf16):
     the root (embeddings, final LayerNorm: never resharded) and one block, or with
     ``reshard_after_forward`` False every block (gathered once, kept to backward)."""
-    h = c.hidden_size
-    block = 12 * h * h + 13 * h
+    block = sum(layer_parameters(c))
     root = stage_parameters(c) - c.num_layers * block
     blocks = c.num_layers if not c.fsdp2_reshard_after_forward else 1
     return (root + blocks * block) * (2 if c.precision in _HALF else 4)

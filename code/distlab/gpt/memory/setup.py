@@ -84,6 +84,21 @@ class MemorySetup:
     """``--sequence-parallel``: activations outside the tp GEMMs split along s over tp."""
     tensor_parallel_impl: str = "megatron"
     """``--tensor-parallel-impl``: "dtensor" keeps the gathered LN outputs and the vocabulary whole."""
+    ffn_hidden_size: int | None = None
+    """F, the MLP width (4h when None)."""
+    num_query_groups: int | None = None
+    """g, K/V heads (None: a, multi-head)."""
+    kv_channels: int | None = None
+    """d, channels per head (None: h / a)."""
+    swiglu: bool = False
+    """Three F x h matrices in the MLP (gate, up, down) instead of two."""
+    add_bias_linear: bool = True
+    normalization: str = "LayerNorm"
+    """RMSNorm has a weight and no bias."""
+    position_embedding_type: str = "learned_absolute"
+    """Only learned_absolute holds a (s, h) position table."""
+    untie_embeddings_and_output_weights: bool = False
+    """The last stage holds its own (V, h) output layer."""
 
     def __post_init__(self) -> None:
         raise_errors(  # the layout's rules, the same as the run's (distlab/gpt/layout.py)
@@ -164,4 +179,12 @@ class MemorySetup:
             fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
             num_experts=args.num_experts,
             tensor_parallel_impl=args.tensor_parallel_impl,
+            ffn_hidden_size=args.ffn_hidden_size,
+            num_query_groups=args.num_query_groups if args.group_query_attention else None,
+            kv_channels=args.kv_channels,
+            swiglu=args.swiglu,
+            add_bias_linear=args.add_bias_linear,
+            normalization=args.normalization,
+            position_embedding_type=args.position_embedding_type,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         )

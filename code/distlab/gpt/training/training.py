@@ -46,6 +46,7 @@ from distlab.gpt.interfaces import (
 from distlab.gpt.moe.moe_layer import set_aux_loss_scale
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.training.log import Timer
 from distlab.gpt.transformer.model import GPTModel
 
 
@@ -193,11 +194,15 @@ def train_step(
     backend.zero_grad()
     scaler = getattr(backend, "scaler", None)  # LocalBackend's (fp16); other back ends have no MoE
     set_aux_loss_scale(backend.module, (scaler.scale if scaler is not None else 1.0) / len(batches))
+    timer = Timer(batches[0][0].device)
     loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
+    forward_backward_ms = 1000 * timer.lap()  # before the loss and gradient reductions wait for others
     loss = reduce_loss(loss, state)
     outcome = backend.step()
     nan = not math.isfinite(loss) or outcome.nonfinite
-    return StepResult(loss, outcome.grad_norm, skipped=outcome.skipped, nan=nan)
+    return StepResult(
+        loss, outcome.grad_norm, skipped=outcome.skipped, nan=nan, forward_backward_ms=forward_backward_ms
+    )
 
 
 @torch.no_grad()
