@@ -148,3 +148,12 @@ def test_the_gradient_bytes_reduced_over_dp_are_what_a_dry_run_records() -> None
     assert recorded == sum(c.nbytes * c.count for c in model) == 4 * dry.parameters
     calls = [c for c in dry.collectives if c.group == "dp" and c.op == "all_reduce" and c.nbytes > 4]
     assert model[0].count == len(calls)  # --ddp-bucket-size 50000: as many buckets
+
+
+def test_context_parallel_sends_the_grouped_k_and_v() -> None:
+    """cp 2: 3 (cp - 1) sends per layer of K and V, 2 b (s / cp) g d x 4 bytes; 2 groups of 16 channels."""
+    flags = f"{TINY} --global-batch-size 1 --vocab-size 128 --group-query-attention --num-query-groups 2"
+    layout = Layout(2, cp=2, global_batch_size=1)
+    p = predict_step(parse_args(flags.split()), layout, _hw(), 128, 1000)
+    [cp] = [c for c in p.costs if c.dim == "cp"]
+    assert (cp.op, cp.nbytes, cp.count) == ("send", 2 * (32 / 2) * (2 * 16) * 4, 3 * 2)

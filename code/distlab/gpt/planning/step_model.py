@@ -26,7 +26,7 @@ overlap the whole compute. Per layer and micro-batch, activations ``S = b (s / c
                  weight gradient, as this engine and Megatron do); full recomputation reruns the
                  forward up to its last GEMM (PyTorch's checkpoint stops early): + 1 all-reduce,
                  or + 2 all-gathers + 1 reduce-scatter
-    cp           3 (cp - 1) sends of K and V blocks, 2 b (s / cp) H_kv x bytes each (forward K, V;
+    cp           3 (cp - 1) sends of K and V blocks, 2 b (s / cp) g d x bytes each (forward K, V;
                  backward K, V and their gradients)
     ep           4 all-to-alls of k S (dispatch and combine, forward and backward)
 
@@ -73,10 +73,17 @@ def group_link(groups: list[list[int]], hw: Hardware) -> Link:
 
 
 def attention_flops(args: PretrainArgs) -> float:
-    """Q K^T and the scores times V of one step, counted in full: ``B s (3 l + r) 4 s H``
-    (the ``4 s n d`` of one block's forward per token, ``n d = H``)."""
-    B, s, h = args.global_batch_size, args.seq_length, args.hidden_size
-    return float(B * s) * (3 * args.num_layers + recomputed_layers(args)) * 4 * s * h
+    """Q K^T and the scores times V of one step, counted in full: ``B s (3 l + r) 4 s n d``
+    (``training/flops.py``'s attention term of one block's forward per token)."""
+    B, s = args.global_batch_size, args.seq_length
+    nd = (args.kv_channels or args.hidden_size // args.num_attention_heads) * args.num_attention_heads
+    return float(B * s) * (3 * args.num_layers + recomputed_layers(args)) * 4 * s * nd
+
+
+def kv_width(args: PretrainArgs) -> int:
+    """g d: the K (or V) channels of a token; n d (= H) without grouped-query attention."""
+    d = args.kv_channels or args.hidden_size // args.num_attention_heads
+    return (args.num_query_groups if args.group_query_attention else args.num_attention_heads) * d
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,8 @@ def predict_step(
         )
         costs += [Cost("tp", op, layout.tp, S, round(k * layers), link["tp"]) for op, k in per_layer]
     if layout.cp > 1:
-        costs.append(Cost("cp", "send", 2, 2 * S, round(3 * (layout.cp - 1) * layers), link["cp"]))
+        kv = S * kv_width(args) / args.hidden_size  # K or V of b (s / cp) tokens
+        costs.append(Cost("cp", "send", 2, 2 * kv, round(3 * (layout.cp - 1) * layers), link["cp"]))
     if pp > 1:
         p2p = S / (layout.tp if layout.sequence_parallel else 1)
         costs.append(Cost("pp", "send", 2, p2p, 2 * v, link["pp"]))
