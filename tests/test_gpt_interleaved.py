@@ -229,7 +229,7 @@ def train(model: GPTModel, state: ParallelState, batches: list, fb=None) -> tupl
     backend = LocalBackend(model, SGD(model.parameters(), lr=0.1), state, clip_grad=1.0)
     kw = {} if fb is None else {"forward_backward_fn": fb}
     results = [train_step(backend, batches, state=state, **kw) for _ in range(STEPS)]
-    return [r.loss for r in results], [r.grad_norm for r in results]
+    return [float(r.loss) for r in results], [float(r.grad_norm) for r in results]
 
 
 def run_layout(pp: int, out: Path) -> None:
@@ -266,7 +266,7 @@ def run_layout(pp: int, out: Path) -> None:
     finally:
         dist.batch_isend_irecv = real
     with torch.no_grad():  # evaluation: the interleaved order's forwards only
-        evaluated = reduce_loss(fb(model, local, forward_only=True), state)
+        evaluated = float(reduce_loss(fb(model, local, forward_only=True), state))
     assert evaluated == pytest.approx(ref_eval, rel=1e-6, abs=1e-6)
 
     what = f"PP{pp} x v2 x DP{dp} rank {state.rank}"

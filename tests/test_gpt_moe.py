@@ -202,8 +202,8 @@ def _train(state: ParallelState, capacity: float | None, data: torch.Tensor) -> 
         batches = [(data[r : r + b, :-1], data[r : r + b, 1:]) for r in rows]
         result = train_step(backend, batches, state=state)
         stats = take_stats(model, state.dp_group if dp > 1 else None)
-        out["losses"].append(result.loss)
-        out["norms"].append(result.grad_norm)
+        out["losses"].append(float(result.loss))
+        out["norms"].append(float(result.grad_norm))
         out["counts"].append([s["tokens_per_expert"] for s in stats])
         out["aux"].append([s["load_balancing_loss"] for s in stats])
         out["dropped"].append(sum(s["dropped"] for s in stats))

@@ -84,9 +84,10 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
         lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
         batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
         batches = run.batches(run.datasets[0], run.consumed, run.layout.micro_batches_at(run.consumed))
-        before_ms = 1000 * timer.lap()  # the previous iteration's logging, evaluation, save; data
+        before_ms = 1000 * timer.lap(sync=False)  # the previous iteration's logging, evaluation, save; data
         result = run.step(batches)
-        step_ms = 1000 * timer.lap()
+        # the device is waited for on log iterations only (the line's interval time is then whole)
+        step_ms = 1000 * timer.lap(sync=run.tlog.due(run.iteration + 1))
         run.iteration += 1
         run.consumed += batch
         if run.iteration == first_iteration:
@@ -131,20 +132,25 @@ def report_memory(run: Run) -> None:
 def log_iteration(
     run: Run, result: StepResult, lr: float, iter_ms: float, step_ms: float, batch: int
 ) -> None:
-    """History, Megatron's line every --log-interval (last rank), TensorBoard scalars."""
+    """History, Megatron's line every --log-interval (last rank), TensorBoard scalars (each
+    iteration's, written when its interval is read: the step's values stay on the device until then)."""
     loss_scale = run.scaler.scale if run.scaler else 1.0
-    fields = dict(loss=result.loss, lr=lr, loss_scale=loss_scale, grad_norm=result.grad_norm)
-    line = run.tlog.record(
-        run.iteration, run.consumed, **fields, skipped=result.skipped, nan=result.nan, iter_ms=iter_ms,
-        global_batch_size=batch,
+    interval = run.tlog.record(
+        run.iteration, run.consumed, loss=result.loss, lr=lr, loss_scale=loss_scale,
+        grad_norm=result.grad_norm, skipped=result.skipped, nan=result.nan, iter_ms=iter_ms,
+        step_ms=step_ms, global_batch_size=batch,
     )  # fmt: skip
-    print_on(run.last_rank and line is not None, line)
     if run.args.num_experts is not None:
-        log_moe(run, due=line is not None)
-    timers = {"train-step": step_ms}
-    run.tensorboard.training(
-        run.iteration, run.consumed, **fields, iter_ms=iter_ms, timers=timers, global_batch_size=batch
-    )
+        log_moe(run, due=interval is not None)
+    if interval is None:
+        return
+    print_on(run.last_rank, interval.line)
+    for row in interval.rows:
+        run.tensorboard.training(
+            row["iteration"], row["consumed"], loss=row["loss"], lr=row["lr"], loss_scale=row["loss_scale"],
+            grad_norm=row["grad_norm"], iter_ms=row["iter_ms"], timers={"train-step": row["step_ms"]},
+            global_batch_size=row["batch"],
+        )  # fmt: skip
 
 
 def log_moe(run: Run, *, due: bool) -> None:
@@ -239,6 +245,7 @@ def stop_requested(run: Run, timer: log.Timer, exit_signal: ExitSignal | None) -
 def finish(run: Run) -> dict:
     """Final save, the pipeline timeline, final validation and test; the history."""
     args, history = run.args, run.tlog.history
+    run.tlog.flush()  # a run stopped between two log lines: its last iterations into the history
     if args.save and run.saved_at != run.iteration:
         save(run)
     print_on(run.rank0, *run.checkpointer.wait())  # --async-save: the last write committed

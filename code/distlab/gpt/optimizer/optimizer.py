@@ -22,7 +22,13 @@ from distlab.gpt.arguments import PretrainArgs
 
 
 def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimizer:
-    """AdamW (Megatron's ``adam`` decouples weight decay) or SGD; no decay on biases and norms."""
+    """AdamW (Megatron's ``adam`` decouples weight decay) or SGD; no decay on biases and norms.
+
+    Both fused (``fused=True``: one kernel over all parameters, on CPUs and GPUs alike): the
+    default foreach AdamW reads every parameter's step count back to the host (two ``.item()``
+    per parameter and step), and only a fused optimizer skips an update on the device
+    (:func:`step_unless`).
+    """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -31,9 +37,33 @@ def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimiz
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if args.optimizer in ("adam", "adamw"):
         return torch.optim.AdamW(
-            groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps
+            groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True
         )
-    return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum, fused=True)
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter group runs torch's fused kernel (which takes ``found_inf``)."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()`` unless ``found_inf`` (a 0-d bool tensor), decided where it lives.
+
+    A fused optimizer takes the flag as ``found_inf`` (as ``torch.amp.GradScaler`` hands it):
+    its kernel leaves parameters, moments and step count alone when it is 1, without the host
+    reading it. Any other optimizer (one built outside ``build_optimizer``) cannot: the flag is
+    read (one synchronisation) and the step skipped on the host.
+    """
+    if not is_fused(optimizer):
+        if not found_inf.item():
+            optimizer.step()
+        return
+    optimizer.found_inf = found_inf.float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 class LRSchedule:
