@@ -26,6 +26,7 @@ from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.data.gpt_dataset import GPTDataset
+from distlab.gpt.data.prefetch import Prefetcher
 from distlab.gpt.interfaces import StepResult
 from distlab.gpt.memory.memory_estimate import MemorySetup, estimate, format_prediction
 from distlab.gpt.memory.meters import memory_report, out_of_memory_message
@@ -72,7 +73,8 @@ def pretrain(argv: list[str] | None = None) -> dict:
 
 
 def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
-    """The training loop, then :func:`finish`; returns the history."""
+    """The training loop, then :func:`finish`; returns the history. The next step's batches are
+    read by a worker while a step runs (``data/prefetch.py``: the same batches, earlier)."""
     args = run.args
     timer = log.Timer(run.ctx.device)  # the one clock: iteration times and --exit-duration-in-mins
     first_iteration = run.iteration + 1  # of this run (after --load)
@@ -80,25 +82,37 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     print_on(run.rank0, "> training ...")
     run.model.train()
     iteration_ms = []  # this run's, for --torch-compile's line
-    while run.iteration < args.train_iters:
-        lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
-        batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
-        batches = run.batches(run.datasets[0], run.consumed, run.layout.micro_batches_at(run.consumed))
-        before_ms = 1000 * timer.lap(sync=False)  # the previous iteration's logging, evaluation, save; data
-        result = run.step(batches)
-        # the device is waited for on log iterations only (the line's interval time is then whole)
-        step_ms = 1000 * timer.lap(sync=run.tlog.due(run.iteration + 1))
-        run.iteration += 1
-        run.consumed += batch
-        if run.iteration == first_iteration:
-            report_memory(run)
-        profiler.step()
-        log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
-        iteration_ms.append(before_ms + step_ms)
-        maybe_evaluate(run)
-        maybe_save(run)
-        if stop_requested(run, timer, exit_signal):
-            break
+    host = torch.device("cpu")
+    prefetcher = Prefetcher(
+        lambda first, m: run.batches(run.datasets[0], first, m, device=host), run.ctx.device
+    )
+    try:
+        while run.iteration < args.train_iters:
+            lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
+            batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
+            batches = prefetcher.take(run.consumed, run.layout.micro_batches_at(run.consumed))
+            following = run.consumed + batch
+            if run.iteration + 1 < args.train_iters:  # read while this step runs
+                prefetcher.prefetch(following, run.layout.micro_batches_at(following))
+            before_ms = 1000 * timer.lap(
+                sync=False
+            )  # the previous iteration's logging, evaluation, save; data
+            result = run.step(batches)
+            # the device is waited for on log iterations only (the line's interval time is then whole)
+            step_ms = 1000 * timer.lap(sync=run.tlog.due(run.iteration + 1))
+            run.iteration += 1
+            run.consumed += batch
+            if run.iteration == first_iteration:
+                report_memory(run)
+            profiler.step()
+            log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
+            iteration_ms.append(before_ms + step_ms)
+            maybe_evaluate(run)
+            maybe_save(run)
+            if stop_requested(run, timer, exit_signal):
+                break
+    finally:
+        prefetcher.close()
     profiler.stop()
     compiled = torch_compile.timing_line(iteration_ms) if args.torch_compile else None
     print_on(run.last_rank and compiled is not None, compiled)
