@@ -8,6 +8,11 @@ suffix::
     python code/preprocess_data.py --input data/gpt/stdlib_docstrings.jsonl --output-prefix data/gpt/stdlib \\
         --vocab-file data/gpt/vocab.json --merge-file data/gpt/merges.txt --append-eod --workers 2
     # -> data/gpt/stdlib_text_document.bin / .idx     (--data-path data/gpt/stdlib_text_document)
+
+Megatron's other tokenizer kinds read ``--tokenizer-model`` instead (``distlab.gpt.data.tokenizers``)::
+
+    python code/preprocess_data.py --input data/gpt/stdlib_docstrings.jsonl --output-prefix data/gpt/sp \
+        --tokenizer-type Llama2Tokenizer --tokenizer-model data/gpt/sp/tokenizer.model --append-eod
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from collections.abc import Iterator
 from multiprocessing import Pool
 
 from distlab.gpt.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
-from distlab.gpt.data.tokenizer import GPT2BPETokenizer
+from distlab.gpt.data.tokenizers import TokenizerSpec
 
-_TOK: GPT2BPETokenizer | None = None
+_TOK = None  # this process's tokenizer (each pool worker builds its own)
 
 
 def read_documents(path: str, key: str = "text") -> Iterator[str]:
@@ -49,9 +54,9 @@ def read_documents(path: str, key: str = "text") -> Iterator[str]:
                 yield "".join(doc)
 
 
-def _init(vocab: str, merges: str) -> None:
+def _init(spec: TokenizerSpec) -> None:
     global _TOK
-    _TOK = GPT2BPETokenizer(vocab, merges)
+    _TOK = spec.build()
 
 
 def _encode(batch: list[str]) -> list[list[int]]:
@@ -73,25 +78,37 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--input", required=True)
     p.add_argument("--output-prefix", required=True)
-    p.add_argument("--vocab-file", required=True)
-    p.add_argument("--merge-file", required=True)
-    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"])
+    p.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
+    p.add_argument(
+        "--tokenizer-type",
+        default="GPT2BPETokenizer",
+        choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                 "HuggingFaceTokenizer"],
+    )  # fmt: skip
+    p.add_argument("--tokenizer-model", help="a sentencepiece .model, or a folder with tokenizer.json")
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--append-eod", action="store_true", help="end every document with <|endoftext|>")
+    p.add_argument(
+        "--append-eod", action="store_true", help="end every document with the end-of-document token"
+    )
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--dataset-impl", default="mmap", choices=["mmap"])
     args = p.parse_args(argv)
     t0 = time.time()
-    tok = GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model)
+    try:
+        tok = spec.build()
+    except (OSError, TypeError, ValueError) as exc:
+        p.error(f"--tokenizer-type {args.tokenizer_type}: {exc}")
     for key in args.json_keys:
         prefix = f"{args.output_prefix}_{key}_document"
         builder = IndexedDatasetBuilder(prefix, best_dtype(tok.vocab_size))
         n_docs = n_tokens = 0
         docs = _batches(read_documents(args.input, key))
         with (
-            Pool(args.workers, initializer=_init, initargs=(args.vocab_file, args.merge_file))
+            Pool(args.workers, initializer=_init, initargs=(spec,))
             if args.workers > 1
-            else _Serial(args.vocab_file, args.merge_file) as pool
+            else _Serial(spec) as pool
         ):
             for encoded in pool.imap(_encode, docs):
                 for ids in encoded:
@@ -112,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 class _Serial:
     """The ``Pool`` interface in this process (``--workers 1``)."""
 
-    def __init__(self, vocab: str, merges: str) -> None:
-        _init(vocab, merges)
+    def __init__(self, spec: TokenizerSpec) -> None:
+        _init(spec)
 
     def __enter__(self) -> _Serial:
         return self

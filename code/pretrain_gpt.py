@@ -66,6 +66,14 @@ own launcher from a hostfile (``node1 slots=2`` per line), which exports the ``V
     srun torchrun ... code/pretrain_gpt.py $ARGS --deepspeed --deepspeed_config ds_config.json --zero-stage 2
     deepspeed --hostfile hostfile code/pretrain_gpt.py $ARGS --deepspeed --deepspeed_config ds_config.json
 
+No files at all: Megatron's mock GPT documents and NullTokenizer, as Megatron-LM's Llama 3
+example script runs them (its flags: tests/megatron_example_scripts.py), in samples instead of
+iterations (8 iterations of 4 samples)::
+
+    python code/pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \
+        --micro-batch-size 1 --global-batch-size 4 --train-samples 32 --lr-warmup-samples 8 --lr 1.5e-4 \
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 512 --split 99,1,0 --log-throughput
+
 A memory budget on a GPU (the sweep of notebook 07 fails at the same micro batch on any card)::
 
     python code/pretrain_gpt.py $ARGS --micro-batch-size 16 --device-memory-gib 16

@@ -1,13 +1,16 @@
-"""Mixture of experts and expert parallelism (``moe/moe_layer.py``, ``moe/expert_parallel.py``).
+"""Mixture of experts and expert parallelism (``moe/``: router, experts, token dispatchers, layer).
 
 Router, load-balancing loss and capacity against hand computations; dispatch and combine over
 gloo with uneven splits; a tiny MoE GPT trained 3 steps with ep = 2 and ep = 4 (dp = 4, fp32,
-dropless and with a capacity) equal to one process holding every expert: same losses and
-gradient norms (1e-6) and the same tokens per expert; and the refusals, named before compute.
+dropless and with a capacity), with both token dispatchers (allgather, alltoall), equal to one
+process holding every expert: same losses and gradient norms (1e-6) and the same tokens per
+expert; and the refusals, named before compute. The compositions with tp, pp and cp run the
+whole driver: ``test_gpt_moe_compositions.py``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -18,17 +21,13 @@ from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, stage_parameters
 from distlab.gpt.moe.expert_parallel import combine, dispatch
-from distlab.gpt.moe.moe_layer import (
-    MoEConfig,
-    attach_aux_loss,
-    load_balancing_loss,
-    moe_layers,
-    route,
-    take_stats,
-)
+from distlab.gpt.moe.experts import ExpertMLP
+from distlab.gpt.moe.moe_layer import MoEConfig, moe_layers, set_aux_loss_scale, take_stats
+from distlab.gpt.moe.router import load_balancing_loss, route
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pretrain import log_moe
+from distlab.gpt.tensor_parallel.layers import shard
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.logs.formats import MOE, tokens_per_expert
@@ -91,34 +90,54 @@ def test_aux_loss_and_imbalance_are_at_most_e_over_k(k: int) -> None:
         assert float(counts.max() / counts.mean()) <= E / k + 1e-6
 
 
-def test_aux_loss_joins_the_backward_not_the_value() -> None:
-    """mean(attach(loss)) backward == backward of mean(loss) + coeff sum l_aux; its value stays the lm loss."""
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_aux_loss_joins_the_backward_not_the_value(scale: float) -> None:
+    """Each layer's attached aux loss: backward of ``scale x mean(loss)`` equals that of
+    ``scale x (mean(loss) + coeff sum l_aux)`` (scale: the step's S / m); the value stays the lm loss."""
     torch.manual_seed(0)
     moe = MoEConfig(num_experts=4, topk=2, aux_loss_coeff=0.1)
     cfg = GPTConfig(
         num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=64, max_position_embeddings=8, moe=moe
     )
     model = GPTModel(cfg)
+    set_aux_loss_scale(model, scale)
     tokens = torch.randint(0, 64, (2, 8))
     loss = model(tokens, tokens).mean()
-    loss.backward()
+    (scale * loss).backward()
     attached = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logits = model(tokens)  # (b, T, V), no labels: the layers keep their aux losses
-    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-    explicit = plain + 0.1 * sum(layer.aux_loss for layer in moe_layers(model))
-    explicit.backward(retain_graph=True)
-    assert float(loss.detach()) == pytest.approx(
-        float(plain.detach()), rel=1e-7
-    )  # the logged value has no aux term
+    moe.aux_loss_coeff = 0.0  # the layers share the config: nothing attached now
+    plain = model(tokens, tokens).mean()
+    assert float(loss.detach()) == pytest.approx(float(plain.detach()), rel=1e-7)  # no aux term in the value
+    explicit = plain + 0.1 * sum(layer.aux_loss for _, layer in moe_layers(model))
+    (scale * explicit).backward(retain_graph=True)
     for got, want in zip(attached, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     router = model.layers["0"].mlp.router.weight
     with_aux = router.grad.clone()
     model.zero_grad()
-    plain.backward()  # without the aux loss the router's gradient differs: the term is not vacuous
+    (scale * plain).backward()  # without the aux loss the router's gradient differs: the term is not vacuous
     assert (with_aux - router.grad).abs().max() > 1e-5
-    assert attach_aux_loss(torch.ones(2), model, 0.0).grad_fn is None  # coefficient 0: nothing attached
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_expert_shards_sum_to_the_whole_expert(gated: bool) -> None:
+    """etp = 2: fc1 cut by output rows (gate and up halves alike when gated, stride 2), fc2 by input
+    columns, fc2's bias on shard 0 only; the two partial outputs add up to the whole expert's."""
+    torch.manual_seed(0)
+    H, F = 8, 12
+    whole = ExpertMLP(H, F, gated=gated)
+    for p in whole.parameters():
+        p.data.normal_(std=0.2)  # outputs of order 1, so that 1e-6 is fp32 round-off
+    shards = [ExpertMLP(H, F, etp=2, etp_rank=r, gated=gated) for r in range(2)]
+    for r, part in enumerate(shards):
+        for p, full in zip(part.parameters(), whole.parameters(), strict=True):
+            dim = getattr(p, "partition_dim", None)
+            p.data.copy_(full.data if dim is None else shard(full.data, dim, 2, r, p.partition_stride))
+    assert shards[0].fc1.weight.shape == ((2 if gated else 1) * F // 2, H)
+    x = torch.randn(5, H)
+    torch.testing.assert_close(shards[0](x) + shards[1](x), whole(x), rtol=1e-6, atol=1e-6)
+    assert getattr(shards[0].fc2.bias, "sequence_parallel", False)  # its gradient summed over tp
 
 
 def test_capacity_drops_the_lowest_probabilities() -> None:
@@ -187,9 +206,13 @@ def _round_trip(ctx) -> None:
 B, b, T, V, STEPS = 8, 1, 8, 64, 3  # global batch B = b x dp x m = 1 x 4 x 2; 3 steps on one batch
 
 
-def _train(state: ParallelState, capacity: float | None, data: torch.Tensor) -> dict:
+def _train(
+    state: ParallelState, capacity: float | None, data: torch.Tensor, dispatcher: str = "alltoall"
+) -> dict:
     """3 steps of a 2-layer MoE GPT (8 experts, top-2, aux coeff 0.01) on the global batch ``data`` (B, T + 1)."""
-    moe = MoEConfig(num_experts=8, topk=2, aux_loss_coeff=0.01, capacity_factor=capacity)
+    moe = MoEConfig(
+        num_experts=8, topk=2, aux_loss_coeff=0.01, capacity_factor=capacity, token_dispatcher=dispatcher
+    )
     cfg = GPTConfig(
         num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=V, max_position_embeddings=T, moe=moe
     )
@@ -201,7 +224,7 @@ def _train(state: ParallelState, capacity: float | None, data: torch.Tensor) -> 
         rows = [k * b * dp + state.dp_rank * b for k in range(B // (b * dp))]  # this rank's micro-batches
         batches = [(data[r : r + b, :-1], data[r : r + b, 1:]) for r in rows]
         result = train_step(backend, batches, state=state)
-        stats = take_stats(model, state.dp_group if dp > 1 else None)
+        stats = take_stats(model, state)
         out["losses"].append(float(result.loss))
         out["norms"].append(float(result.grad_norm))
         out["counts"].append([s["tokens_per_expert"] for s in stats])
@@ -218,9 +241,9 @@ def _equivalence(ctx) -> None:
     }
     for capacity in (None, 1.0):
         ref = _train(single, capacity, data)  # one process, every expert, B / b micro-batches
-        for ep, state in states.items():
-            got = _train(state, capacity, data)
-            what = f"ep {ep} (dp 4), capacity factor {capacity}"
+        for (ep, state), dispatcher in itertools.product(states.items(), ("allgather", "alltoall")):
+            got = _train(state, capacity, data, dispatcher)
+            what = f"ep {ep} (dp 4), {dispatcher} dispatcher, capacity factor {capacity}"
             for key in ("losses", "norms", "aux"):
                 torch.testing.assert_close(
                     torch.tensor(got[key], dtype=torch.float64),
@@ -240,14 +263,29 @@ def _equivalence(ctx) -> None:
         assert ref["losses"][-1] < ref["losses"][0]  # it learns: the comparison is not vacuous
 
 
+def _tensor_parallel_experts_memory(ctx) -> None:
+    """tp 2 (sequence parallel) x ep 2, dp 2: the estimator's parameters per rank equal the model's,
+    each of the E / ep experts split over tp (its fc2 bias whole)."""
+    moe = MoEConfig(num_experts=8, topk=2)
+    cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=V, max_position_embeddings=T,
+                    moe=moe, sequence_parallel=True)  # fmt: skip
+    model = GPTModel(cfg, ParallelState.build(Layout(4, tp=2, ep=2, sequence_parallel=True)))
+    setup = MemorySetup(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=T, vocab_size=V,
+                        micro_batch_size=1, tp=2, dp=2, num_experts=8, ep=2, sequence_parallel=True)  # fmt: skip
+    assert sum(p.numel() for p in model.parameters()) == stage_parameters(setup)
+    assert model.layers["0"].mlp.experts[str(4 * (ctx.rank // 2))].fc1.weight.shape == (32, 16)  # (F / tp, H)
+
+
 def _expert_parallel(ctx) -> None:
     _round_trip(ctx)
     _equivalence(ctx)
+    _tensor_parallel_experts_memory(ctx)
 
 
 def test_expert_parallel_over_gloo() -> None:
     """One spawn of 4 gloo ranks (spawning costs seconds): the dispatch/combine round trip with
-    uneven splits, then the MoE GPT with ep = 2 and ep = 4 against one process."""
+    uneven splits, then the MoE GPT with ep = 2 and ep = 4 against one process, then the
+    parameters per rank of experts split over tp against the memory estimate."""
     run_gloo(_expert_parallel, 4, timeout_s=90)
 
 
@@ -288,9 +326,22 @@ def _refusal(flags: str, world: int) -> str:
         ("--num-experts 4 --moe-router-topk 5", 1, ["--moe-router-topk 5", "--num-experts 4"]),
         ("--num-experts 8 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall", 2,
          ["expert-model-parallel size 4", "does not divide data-parallel size 2"]),
-        ("--num-experts 4 --tensor-model-parallel-size 2", 2, ["--tensor-model-parallel-size 2", "tp = pp = 1"]),
-        ("--num-experts 4 --pipeline-model-parallel-size 2", 2, ["--pipeline-model-parallel-size 2", "tp = pp = 1"]),
-        ("--num-experts 4 --expert-model-parallel-size 2", 2, ["add --moe-token-dispatcher-type alltoall"]),
+        ("--num-experts 4 --tensor-model-parallel-size 2", 2,
+         ["--tensor-model-parallel-size 2 needs --sequence-parallel", "add --sequence-parallel"]),
+        ("--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1", 2,
+         ["--expert-tensor-parallel-size 1 with --tensor-model-parallel-size 2", "etp = tp"]),
+        ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", 1, ["sinkhorn", "use aux_loss"]),
+        ("--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss", 1, ["give one"]),
+        ("--num-experts 4 --moe-aux-loss-coeff 0.1 0.2", 1, ["--moe-aux-loss-coeff 0.1 0.2", "one coefficient per"]),
+        ("--num-experts 4 --moe-token-dispatcher-type flex", 1, ["flex", "DeepEP"]),
+        ("--num-experts 4 --expert-model-parallel-size 2 --save /nonexistent --ckpt-format torch_dist", 2,
+         ["--expert-model-parallel-size 2 and --ckpt-format torch_dist", "use --ckpt-format torch"]),
+        ("--num-experts 4 --ffn-hidden-size 31 --tensor-model-parallel-size 2 --sequence-parallel", 2,
+         ["the experts' FFN width 31", "not divisible by --tensor-model-parallel-size 2"]),
+        ("--num-experts 4 --tensor-parallel-impl dtensor --tensor-model-parallel-size 2 --sequence-parallel", 2,
+         ["--num-experts with --tensor-parallel-impl dtensor"]),
+        ("--num-experts 8 --expert-model-parallel-size 8 --context-parallel-size 2", 4,
+         ["expert-model-parallel size 8", "does not divide context-parallel size 2 x data-parallel size 2 = 4"]),
         ("--expert-model-parallel-size 2", 2, ["--expert-model-parallel-size 2 needs --num-experts"]),
         ("--num-experts 4 --moe-expert-capacity-factor 0", 1, ["--moe-expert-capacity-factor 0"]),
     ],

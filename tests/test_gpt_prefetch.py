@@ -18,7 +18,10 @@ from distlab.gpt.training.training import micro_batches
 
 def test_prefetched_batches_are_the_loops_and_read_off_its_thread(tmp_path) -> None:
     files = prepare_data(tmp_path, vocab_size=300, max_files=10)
-    (train, *_), cpu = build_datasets(files.data_path, [1.0, 0.0, 0.0], 16, [64, 0, 0], 1), torch.device("cpu")
+    (train, *_), cpu = (
+        build_datasets(files.data_path, [1.0, 0.0, 0.0], 16, [64, 0, 0], 1),
+        torch.device("cpu"),
+    )
     state = ParallelState(Layout(2, micro_batch_size=2, global_batch_size=8), rank=1)
     readers: list[str] = []
 

@@ -25,6 +25,7 @@ from torch.testing import assert_close
 
 from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.arguments import parse_args, validate_args
+from distlab.gpt.arguments.implementations import implementation_lines
 from distlab.gpt.distributed.gradients import reduce_gradients
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.activation_memory import measure_block, parse
@@ -86,11 +87,16 @@ def _args(*flags: str):
     return parse_args([*MODEL, *flags])
 
 
-def test_sequence_parallel_without_tensor_parallelism_is_refused() -> None:
-    with pytest.raises(
-        ValueError, match=r"--sequence-parallel needs --tensor-model-parallel-size > 1, got 1"
-    ):
-        validate_args(_args("--sequence-parallel"), world_size=2)
+def test_sequence_parallel_without_tensor_parallelism_is_turned_off_as_megatron_does() -> None:
+    """Megatron's validate_args disables --sequence-parallel when tp is 1 (its Llama 3 example
+    passes it with tp 1); the start-up log says so."""
+    args = _args(
+        "--sequence-parallel", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"
+    )
+    layout = validate_args(args, world_size=2)
+    assert not layout.sequence_parallel and layout.tp == 1
+    lines = implementation_lines(args, cuda=False)
+    assert any("--sequence-parallel with --tensor-model-parallel-size 1: off" in line for line in lines)
 
 
 def test_sequence_not_divisible_by_tp_is_refused() -> None:

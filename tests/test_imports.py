@@ -132,6 +132,7 @@ LAYERS = (
     "memory",
     "build",
     "pretrain",
+    "inference",
     "tools",
 )
 MAX_ROOT_MODULES = 6  # __init__.py included

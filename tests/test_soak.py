@@ -235,3 +235,51 @@ def test_notebooks_are_named_in_the_order_lab_test_runs_them(books, tmp_path):
     ]
     with pytest.raises(SystemExit):
         soak.notebook_paths(["nothing.ipynb"], books)
+
+
+def test_an_interrupted_run_keeps_the_notebooks_it_finished(books, tmp_path):
+    proc = start_soak(books, tmp_path, "--runs", "2", "--load", "0", "good.ipynb", "slow.ipynb")
+    try:
+        log = tmp_path / "run-1.log"
+        deadline = time.monotonic() + 120  # good.ipynb's result line, then slow.ipynb's first cell
+        while time.monotonic() < deadline and not (log.is_file() and "good.ipynb ." in log.read_text()):
+            time.sleep(0.2)
+        assert "good.ipynb ." in log.read_text(), log.read_text()
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert re.search(r"^good\.ipynb\s+1/1\s", out, re.M), out  # run 1's, though run 1 did not end
+    assert re.search(r"^slow\.ipynb\s+0/0\s", out, re.M), out  # stopped mid-run: no result
+
+
+@pytest.mark.mostly_waits
+def test_the_jobs_a_run_left_in_the_workspace_are_cancelled(slurm_cluster, tmp_path):
+    workspace, elsewhere = tmp_path / "distlab-course-test", tmp_path / "other"
+    (workspace / "notebooks").mkdir(parents=True)
+    elsewhere.mkdir()
+    os.chmod(tmp_path, 0o755)
+
+    def submit(folder: Path) -> str:
+        out = subprocess.run(
+            ["sbatch", "--parsable", f"--chdir={folder}", "--time=5", "--wrap", "sleep 300"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+        return out.stdout.strip().split(";")[0]
+
+    left, kept = submit(workspace / "notebooks"), submit(elsewhere)
+    try:
+        assert soak.cancel_left_jobs(None, workspace) == [left]
+        queued = subprocess.run(
+            ["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30
+        ).stdout
+        assert left not in queued.split() and kept in queued.split(), queued
+    finally:
+        subprocess.run(["scancel", left, kept], check=False, timeout=30)

@@ -20,8 +20,11 @@ calls after installing and starting what ``./lab test`` does):
   runs), then for each failed run the failing cell (numbered from 0 over every cell, as nbmake and
   the issues count) and its first error line (``AssertionError: ...``). Each run's pytest output
   and junit XML stay in ``.lab/soak/run-<i>.log`` / ``.xml``.
+* after each run, cancels the Slurm jobs it left in the test workspace (a notebook stopped
+  mid-cell leaves its job holding the nodes that the next run waits for).
 * exits 0 when every run passed, 1 when any failed (or gave no result), 128 + the signal's number
-  when interrupted (the table of the runs that finished is printed first).
+  when interrupted (the table of the notebooks that finished, the interrupted run's included, is
+  printed first).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import ast
 import json
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -47,6 +51,8 @@ from pathlib import Path
 from types import FrameType
 
 import psutil
+
+from distlab.cluster.users import TEST_WORKSPACE
 
 #: A busy process: loops on one core, and stops by itself within a second once its parent
 #: (argv[1]) is gone (killed with SIGKILL, which no cleanup sees). Not sooner: the soak stops them
@@ -73,11 +79,12 @@ PREVIEW_RULE = "-" * 19
 
 
 class Interrupted(Exception):
-    """A signal asked the soak to stop."""
+    """A signal asked the soak to stop; ``results``: the notebooks the interrupted run finished."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.results: list[Result] = []
 
 
 @dataclass(frozen=True)
@@ -180,6 +187,9 @@ def junit_id(path: str) -> str:
     return path.replace("/", ".").replace(os.sep, ".")
 
 
+NO_RESULT = "no result: see the run's log"
+
+
 def read_junit(xml: Path, notebooks: Sequence[str], run: int, root: Path) -> list[Result]:
     """Each of ``notebooks``'s result in one run's junit XML; one missing from it (the run ended
     first, or pytest could not collect it) failed with no time."""
@@ -194,7 +204,7 @@ def read_junit(xml: Path, notebooks: Sequence[str], run: int, root: Path) -> lis
     for nb in notebooks:
         case = cases.get(junit_id(nb))
         if case is None:
-            results.append(Result(nb, run, False, None, None, "no result: see the run's log"))
+            results.append(Result(nb, run, False, None, None, NO_RESULT))
             continue
         seconds = float(case.get("time", "nan"))
         bad = case.find("failure")
@@ -342,9 +352,14 @@ def run_once(
             )
             try:
                 rc = proc.wait()
+            except Interrupted as stop:
+                stop_run(proc)  # pytest, stopped by SIGINT, writes the junit of what it finished
+                stop.results = finished_before(xml, read_junit(xml, notebooks, run, root))
+                raise
             finally:
                 if proc.poll() is None:
                     stop_run(proc)
+                cancel_left_jobs(owner)
         if xml.is_file():
             shutil.copyfile(xml, logs / f"run-{run}.xml")
         results = read_junit(xml, notebooks, run, root)
@@ -356,6 +371,41 @@ def run_once(
         return results
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def finished_before(xml: Path, results: list[Result]) -> list[Result]:
+    """The results of an interrupted run that its interruption did not make: those in its junit
+    less the last case when it failed (the notebook the signal stopped; nbmake reports it as an
+    internal error, with nothing in it that tells it apart from a real failure)."""
+    try:
+        cases = list(ET.parse(xml).getroot().iter("testcase"))
+    except (OSError, ET.ParseError):
+        return []
+    last = cases[-1].get("classname") if cases else None
+    return [r for r in results if r.error != NO_RESULT and (r.passed or junit_id(r.notebook) != last)]
+
+
+def cancel_left_jobs(owner: str | None, workspace: Path | None = None) -> list[str]:
+    """Cancel the Slurm jobs a run left queued or running: ``owner``'s jobs (this user's when
+    None) whose working folder is in ``workspace`` (default: their test workspace, where the runs'
+    notebooks submit from). A notebook stopped mid-cell, or one that failed before its cleanup,
+    leaves its job to hold the nodes that the next run's notebooks wait for. Returns their ids."""
+    if shutil.which("squeue") is None:
+        return []
+    user = owner or pwd.getpwuid(os.geteuid()).pw_name
+    workspace = workspace or Path(pwd.getpwnam(user).pw_dir) / TEST_WORKSPACE
+    out = subprocess.run(
+        ["squeue", "-h", "-u", user, "-o", "%i %Z"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
+    left = [
+        job
+        for job, _, folder in (line.partition(" ") for line in out.splitlines())
+        if Path(folder) == workspace or Path(folder).is_relative_to(workspace)
+    ]
+    if left:
+        subprocess.run(["scancel", *left], capture_output=True, timeout=30, check=False)
+        say(f"cancelled the job(s) the run left in {workspace}: {', '.join(left)}")
+    return left
 
 
 def default_runner(root: Path) -> list[str]:
@@ -403,8 +453,9 @@ def soak(
                 )
         return results, None
     except Interrupted as stop:
+        results += stop.results
         say(
-            f"stopped by {signal.Signals(stop.signum).name}: the runs that finished follow; the busy processes are stopped"
+            f"stopped by {signal.Signals(stop.signum).name}: the notebooks that finished follow; the busy processes are stopped"
         )
         return results, stop.signum
     finally:

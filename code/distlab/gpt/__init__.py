@@ -9,7 +9,8 @@ Notation, the same in every module's docstrings and shape comments::
     F    MLP width, 4H by default                   n    attention heads, of size H / n
     V    vocabulary, padded to a multiple of --make-vocab-size-divisible-by x tp    L  layers
     tp, pp, dp, cp tensor-, pipeline-, data-, context-parallel sizes: world = dp x tp x pp x cp
-    ep             expert-parallel size, folded into dp x cp (it splits those ranks; no factor of its own)
+    ep             expert-parallel size, folded into dp x cp (it splits those ranks; no factor of its own);
+                   each expert's MLP is split over tp (etp = tp)
     v              model chunks per pipeline rank (virtual stages, interleaved 1F1B)
     p, r           size of a process group and this rank's index in it
     F_i, B_i       in pipeline schedules: forward and backward of micro-batch i
@@ -27,14 +28,16 @@ never up (``tests/test_imports.py`` checks it)::
     interfaces.py      what a step shares: micro-batches, the backward hook, the back end
     parallel_state.py  this rank's coordinates in the layout and its process groups
                        ~ parallel_state.py
-    data/              tokenizer, indexed_dataset, gpt_dataset ~ tokenizers/, datasets/
+    data/              tokenizer (GPT-2 BPE), tokenizers (Null, sentencepiece, HuggingFace),
+                       indexed_dataset, mock_dataset, gpt_dataset ~ tokenizers/, datasets/
     tensor_parallel/   mappings (the f and g operators), layers (column / row-parallel linear,
                        vocabulary-parallel embedding and loss), rng_tracker (two random streams)
                        ~ tensor_parallel/ mappings, layers, cross_entropy, random
     context_parallel/  ring_attention: the sequence over cp ranks
                        ~ Transformer Engine's context-parallel attention (cp_comm_type p2p)
-    moe/               moe_layer (router, experts, aux loss), expert_parallel (tokens by all-to-all)
-                       ~ transformer/moe/ router, experts, moe_layer, token_dispatcher
+    moe/               router (top-k, aux loss), experts (their MLPs, split over tp), token_dispatcher
+                       (allgather, alltoall), expert_parallel (the all-to-alls), moe_layer
+                       ~ transformer/moe/ router, moe_utils, experts, token_dispatcher, moe_layer
     transformer/       recompute (attention backends, what a block keeps), model (the GPT block by
                        block; one pipeline stage) ~ transformer/, models/gpt/gpt_model.py
     pipeline_parallel/ p2p_communication, schedules (GPipe, 1F1B), interleaved (1F1B over v chunks),
@@ -52,7 +55,8 @@ never up (``tests/test_imports.py`` checks it)::
                        checkpointer (the run's saves, --async-save)
                        ~ training/checkpointing.py, dist_checkpointing/
     training/          training (micro-batches, the step, evaluation), log (the log line, TensorBoard,
-                       the profiler), flops (MFU), fault_handling (signals, hangs)
+                       the profiler), flops (MFU), fault_handling (signals, hangs), housekeeping
+                       (--manual-gc, --empty-unused-memory-level)
                        ~ training/training.py, training/dist_signal_handler.py
     native/            PyTorch's own: dtensor_parallel, fsdp2, torch_pipelining, torch_compile,
                        plan_check ~ distributed/torch_fully_sharded_data_parallel.py (torchtitan)
@@ -61,6 +65,9 @@ never up (``tests/test_imports.py`` checks it)::
     build.py           everything a run holds, built once from the arguments and the layout
                        ~ training/training.py's setup_model_and_optimizer
     pretrain.py        the training loop of pretrain_gpt.py ~ training/training.py's pretrain
+    inference/         kv_cache, generation (greedy, top-k, top-p), course_checkpoint (any layout
+                       read whole; release written), hf_checkpoint and a module per family (gpt2):
+                       transformers' folders ~ inference/, Megatron-LM's tools/checkpoint/
     tools/             local_run (spawned runs for tests and notebooks), diagrams (images/gpt/)
                        ~ Megatron-LM's tools/
 

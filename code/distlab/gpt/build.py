@@ -32,12 +32,15 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, network_settings, print_on
-from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
+from distlab.gpt.arguments import PretrainArgs, as_list, deepspeed_run_config, parse_split
+from distlab.gpt.arguments.implementations import implementation_lines
 from distlab.gpt.checkpointing import checkpointer, checkpointing
 from distlab.gpt.context_parallel.ring_attention import describe as describe_cp
 from distlab.gpt.context_parallel.ring_attention import ring_of
 from distlab.gpt.data.gpt_dataset import GPTDataset, build_datasets
-from distlab.gpt.data.tokenizer import GPT2BPETokenizer
+from distlab.gpt.data.indexed_dataset import IndexedDataset
+from distlab.gpt.data.mock_dataset import MockIndexedDataset
+from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.deepspeed import config as deepspeed_config
 from distlab.gpt.deepspeed import engine as deepspeed_engine
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
@@ -159,13 +162,15 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     if layout.batch_schedule:
         print_on(rank0, ramp_line(layout))
     moe = moe_config(args)
-    print_on(rank0 and moe is not None, moe and moe.describe(layout.ep))
+    print_on(rank0 and moe is not None, moe and moe.describe(layout.ep, layout.tp))
     if state.cp > 1:
         print_on(rank0, describe_cp(args.seq_length, ring_of(state)))
-    tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    spec = TokenizerSpec.from_args(args)
+    tokenizer = spec.build()
     vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
-    print_on(rank0, vocab_padding_message(tokenizer.vocab_size, vocab), flops_line(args, vocab))
-    datasets = _build_datasets(args, rank0)
+    print_on(rank0, spec.describe(tokenizer), vocab_padding_message(tokenizer.vocab_size, vocab),
+             flops_line(args, vocab), *implementation_lines(args, cuda=device.type == "cuda"))  # fmt: skip
+    datasets = _build_datasets(args, tokenizer, rank0)
     cap = cap_device_memory(args.device_memory_gib, device)
     print_on(rank0 and cap is not None, cap)
     if args.deepspeed:
@@ -204,6 +209,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
             scaler=scaler,
             overlap_grad_reduce=args.overlap_grad_reduce,
             bucket_size=args.ddp_bucket_size,
+            reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else None,
         )
         if mesh is None
         else fsdp2.FSDP2Backend(model, optimizer, clip_grad=args.clip_grad),
@@ -292,26 +298,46 @@ def _warm_up_kernels(args: PretrainArgs, precision: Precision) -> None:
     )
 
 
-def _build_datasets(args: PretrainArgs, rank0: bool) -> list[GPTDataset | None]:
-    """Train, validation and test samples for every iteration and evaluation of the run."""
+def _build_datasets(args: PretrainArgs, tokenizer, rank0: bool) -> list[GPTDataset | None]:
+    """Train, validation and test samples for every iteration and evaluation of the run, from
+    --data-path (memory-mapped unless --no-mmap-bin-files) or Megatron's mock documents (--mock-data)."""
     B = args.global_batch_size
     n_evals = args.train_iters // args.eval_interval + 1
     wanted = [args.train_iters * B, n_evals * args.eval_iters * B, args.eval_iters * B]
-    datasets = build_datasets(args.data_path, parse_split(args.split), args.seq_length, wanted, args.seed)
+    if args.mock_data:
+        source = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod)
+    else:
+        source = IndexedDataset(args.data_path, mmap=args.mmap_bin_files)
+    datasets = build_datasets(
+        source, parse_split(args.split), args.seq_length, wanted, args.seed, cache_dir=args.data_cache_path
+    )
     sizes = ", ".join(f"{d.name} {len(d)} samples ({d.num_epochs} epoch(s))" for d in datasets if d)
-    print_on(rank0, f"> datasets from {args.data_path}: {sizes}")
+    how = "Megatron's mock GPT documents" if args.mock_data else f"{args.data_path} ({_reader(args)})"
+    print_on(rank0, f"> datasets from {how}: {sizes}")
+    if args.data_cache_path is not None:
+        hits = [d.name for d in datasets if d and d.cache_hit]
+        print_on(rank0, f"> data cache {args.data_cache_path}: index arrays of "
+                 f"{', '.join(hits) or 'no split'} read back, the others written")  # fmt: skip
     return datasets
+
+
+def _reader(args: PretrainArgs) -> str:
+    return ".bin memory-mapped" if args.mmap_bin_files else ".bin read per sample, --no-mmap-bin-files"
 
 
 def moe_config(args: PretrainArgs) -> MoEConfig | None:
     """``--num-experts`` and the ``--moe-*`` flags; None for dense MLPs."""
     if args.num_experts is None:
         return None
+    [balancing], [coeff] = as_list(args.moe_router_load_balancing_type), as_list(args.moe_aux_loss_coeff)
     return MoEConfig(
         num_experts=args.num_experts,
         topk=args.moe_router_topk,
-        aux_loss_coeff=args.moe_aux_loss_coeff,
+        aux_loss_coeff=coeff,
         capacity_factor=args.moe_expert_capacity_factor,
+        token_dispatcher=args.moe_token_dispatcher_type,
+        load_balancing_type=balancing,
+        grouped_gemm=args.moe_grouped_gemm,
     )
 
 

@@ -44,8 +44,11 @@ dp 4, ep 2::
     edp groups : [0,4] [2,6] [1,5] [3,7]        expert gradients are summed over these, / (dp x cp)
 
 Megatron-LM builds the experts' own rank grid from ``--expert-tensor-parallel-size`` (etp, default
-tp) and checks ``world size % (etp x ep x pp) == 0`` (``parallel_state.initialize_model_parallel``);
-with etp = tp, as here (this engine has no etp), that is: ep divides dp x cp.
+tp; order tp-ep-dp-pp) and checks ``world size % (etp x ep x pp) == 0``
+(``parallel_state.initialize_model_parallel``); with etp = tp, the one size this engine builds,
+that is: ep divides dp x cp, and an ep group is consecutive ranks of a dp x cp group, as above.
+The tokens of a layer's experts move among the ``tp x ep`` ranks of an ep group and their tp
+groups (``tp_ep``; world 8, tp 2, dp 4, ep 2: [0,1,2,3] [4,5,6,7]).
 """
 
 from __future__ import annotations
@@ -218,6 +221,13 @@ class Layout:
     def edp_groups(self) -> list[list[int]]:
         """The ranks holding the same experts (same place in their ep block): ``dp x cp / ep`` each."""
         return [g[j :: self.ep] for g in self.groups(*EXPERT_DATA_DIMS) for j in range(self.ep)]
+
+    def tp_ep_groups(self) -> list[list[int]]:
+        """Each ep group with the tp ranks of its members (megatron-core's ``tp_ep`` group, etp = tp):
+        the ``tp x ep`` ranks among which a token dispatcher moves tokens."""
+        tp_of = {r: g for g in self.groups("tp") for r in g}
+        found = {tuple(sorted(r for m in g for r in tp_of[m])): None for g in self.ep_groups()}
+        return [list(g) for g in found]
 
     def _check_experts(self) -> None:
         name, flag = SIZE_NAMES["ep"]

@@ -29,6 +29,8 @@ class ParallelState:
     #: holding the same experts (their gradients' all-reduce); built only when ep > 1.
     ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
     edp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    #: The tp x ep ranks among which the MoE token dispatchers move tokens (the tp group when ep = 1).
+    tp_ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
     cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     #: The ranks holding the same weights (dp x cp), over which gradients and the loss are averaged.
     dp_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
@@ -69,6 +71,12 @@ class ParallelState:
                     group = dist.new_group(ranks, timeout=timeout)
                     if state.rank in ranks:
                         setattr(state, name, group)
+        state.tp_ep_group = state.ep_group if layout.tp == 1 else state.tp_group
+        if layout.ep > 1 and layout.tp > 1:
+            for ranks in layout.tp_ep_groups():
+                group = dist.new_group(ranks, timeout=timeout)
+                if state.rank in ranks:
+                    state.tp_ep_group = group
         return state
 
     @property

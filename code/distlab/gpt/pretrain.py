@@ -8,6 +8,7 @@
                           and the estimator's predicted peak next to the measured one),
                           log_iteration, maybe_evaluate, maybe_save, stop_requested
                           (--exit-duration-in-mins, --exit-signal-handler: one MAX all-reduce);
+                          --manual-gc and --empty-unused-memory-level (training/housekeeping.py);
                           then finish: final save, pipeline timeline, final validation and test
 
 Logs follow Megatron: start-up lines from rank 0, iteration lines from the last rank (where the
@@ -33,7 +34,7 @@ from distlab.gpt.memory.meters import memory_report, out_of_memory_message
 from distlab.gpt.moe.moe_layer import take_stats
 from distlab.gpt.native import torch_compile
 from distlab.gpt.pipeline_parallel.timeline import bubble_summary, save_timeline
-from distlab.gpt.training import log
+from distlab.gpt.training import housekeeping, log
 from distlab.gpt.training.fault_handling import ExitSignal, is_timeout, missing_ranks
 from distlab.gpt.training.training import evaluate
 from distlab.logs.formats import EXIT_SIGNAL, HANG, MOE
@@ -64,6 +65,7 @@ def pretrain(argv: list[str] | None = None) -> dict:
             report_hang(run)
         raise
     finally:
+        housekeeping.stop_manual_gc(args)
         if run is not None:
             run.backend.close()
         run = None  # unreachable now: shutdown() frees the run, then its groups' threads stop
@@ -86,6 +88,7 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     prefetcher = Prefetcher(
         lambda first, m: run.batches(run.datasets[0], first, m, device=host), run.ctx.device
     )
+    housekeeping.start_manual_gc(args)
     try:
         while run.iteration < args.train_iters:
             lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
@@ -94,10 +97,10 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
             following = run.consumed + batch
             if run.iteration + 1 < args.train_iters:  # read while this step runs
                 prefetcher.prefetch(following, run.layout.micro_batches_at(following))
-            before_ms = 1000 * timer.lap(
-                sync=False
-            )  # the previous iteration's logging, evaluation, save; data
+            # the previous iteration's logging, evaluation, save; data
+            before_ms = 1000 * timer.lap(sync=False)
             result = run.step(batches)
+            housekeeping.empty_unused_memory(args, run.ctx.device)
             # the device is waited for on log iterations only (the line's interval time is then whole)
             step_ms = 1000 * timer.lap(sync=run.tlog.due(run.iteration + 1))
             run.iteration += 1
@@ -105,6 +108,7 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
             if run.iteration == first_iteration:
                 report_memory(run)
             profiler.step()
+            housekeeping.collect_after_step(args, run.iteration)
             log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
             iteration_ms.append(before_ms + step_ms)
             maybe_evaluate(run)
@@ -169,19 +173,19 @@ def log_iteration(
 
 def log_moe(run: Run, *, due: bool) -> None:
     """Each MoE layer's tokens per expert and load-balancing loss of this iteration, summed over
-    the data-parallel ranks (one small all-reduce, on log iterations only), printed by the last
-    rank and kept in the history; the counters restart every iteration."""
-    group = run.state.dp_group if due and run.state.dp > 1 else None
-    layers = take_stats(run.model, group)
+    the ranks holding other tokens and gathered over the stages (small collectives, on log
+    iterations only), printed by the last rank and kept in the history; the counters restart
+    every iteration."""
+    layers = take_stats(run.model, run.state if due else None)
     if not due:
         return
     run.tlog.history.setdefault("moe", []).append({"iteration": run.iteration, "layers": layers})
     lines = [
         MOE.format(
-            it=run.iteration, layer=i, aux=s["load_balancing_loss"], dropped=s["dropped"],
+            it=run.iteration, layer=s["layer"], aux=s["load_balancing_loss"], dropped=s["dropped"],
             counts=" ".join(map(str, s["tokens_per_expert"])),
         )
-        for i, s in enumerate(layers)
+        for s in layers
     ]  # fmt: skip
     print_on(run.last_rank, *lines)
 
@@ -197,6 +201,7 @@ def maybe_evaluate(run: Run) -> None:
 
 def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboard: bool = True) -> float:
     """Mean loss over --eval-iters global batches from sample ``first``; Megatron's box."""
+    housekeeping.collect_around_validation(run.args)
     loss = evaluate(
         run.model,
         dataset,
@@ -210,6 +215,7 @@ def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboa
         autocast=run.autocast,
         forward_backward_fn=run.forward_backward,
     )
+    housekeeping.collect_around_validation(run.args)
     print_on(run.last_rank, *log.validation_lines(label, loss))
     if to_tensorboard:
         run.tensorboard.validation(run.iteration, run.consumed, loss)

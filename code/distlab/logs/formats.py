@@ -146,8 +146,9 @@ DEEPSPEED = LogLine(
 #: Megatron's training line (averages over the log interval), then this engine's throughput.
 ITERATION = LogLine(
     " iteration {it:8d}/{total:8d} | consumed samples: {samples:12d} |"
-    " elapsed time per iteration (ms): {ms:.1f} | learning rate: {lr:.3E} |"
-    " global batch size: {gbs:5d} | lm loss: {loss:.6E} | loss scale: {scale:.1f} |",
+    " elapsed time per iteration (ms): {ms:.1f} |",
+    Opt(" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"),  # --log-throughput
+    " learning rate: {lr:.3E} | global batch size: {gbs:5d} | lm loss: {loss:.6E} | loss scale: {scale:.1f} |",
     Opt(" grad norm: {gnorm:.3f} |"),
     " number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} |",
     Opt(" tokens per second: {tokens_per_s:.1f} | TFLOP/s per device: {tflops:.3f} |"),

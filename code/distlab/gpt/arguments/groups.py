@@ -1,23 +1,31 @@
 """The flags of ``pretrain_gpt.py``, grouped as Megatron-LM's ``arguments.py`` adds them.
 
-Every field is a flag: ``num_layers`` is ``--num-layers``. Booleans are Megatron's switches
+Every field is a flag: ``num_layers`` is ``--num-layers`` (``fields.py``). Booleans are Megatron's switches
 (``--fp16``), except the few the course passes as ``True|False`` (``--profile-execution True``,
 ``tf=True``); ``flag=`` spells a flag Megatron-DeepSpeed's way. Each group is the dataclass of one
 of Megatron's ``_add_*_args`` functions, and :class:`PretrainArgs` is all of them: the single
-source of names, types, defaults and help, from which ``parser.py`` builds argparse.
+source of names, types, defaults and help, from which ``parser.py`` builds argparse. The groups
+of training, learning rate, checkpoints, precision, validation and logging are in
+``training_groups.py``, data and tokenizer in ``data_groups.py``, the flags parsed only to be
+refused in ``refused.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-#: The signals ``--exit-signal`` accepts (Megatron-LM's SIGNAL_MAP; ``training/fault_handling.py``
-#: catches them).
-SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
-
-
-def _f(default, help: str, **kw):  # noqa: A002 - argparse's own word
-    return field(default=default, metadata={"help": help, **kw})
+from distlab.gpt.arguments.data_groups import DataArgs, TokenizerArgs
+from distlab.gpt.arguments.fields import _f
+from distlab.gpt.arguments.refused import RefusedArgs
+from distlab.gpt.arguments.training_groups import (
+    SIGNALS,  # noqa: F401 - --exit-signal's choices, where training/fault_handling.py reads them
+    CheckpointingArgs,
+    LearningRateArgs,
+    LoggingArgs,
+    MixedPrecisionArgs,
+    TrainingArgs,
+    ValidationArgs,
+)
 
 
 @dataclass
@@ -48,140 +56,11 @@ class RegularizationArgs:
 
 
 @dataclass
-class TrainingArgs:
-    """Batches, recomputation, the optimizer, when to stop, the profiler, torch.compile (Megatron's
-    ``_add_training_args``)."""
-
-    micro_batch_size: int = _f(None, "samples per forward/backward on one rank (required)")
-    global_batch_size: int = _f(None, "samples per optimizer step over all ranks (default micro x dp)")
-    rampup_batch_size: list = _f(
-        None,
-        "START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT in equal "
-        "intervals until SAMPLES samples are consumed, then stays at --global-batch-size "
-        "(Megatron's ramp, deprecated there for --step-batch-size-schedule)",
-        nargs=3,
-        metavar=("START", "INCREMENT", "SAMPLES"),
-        type=int,
-    )
-    step_batch_size_schedule: str = _f(
-        None,
-        'global batch per threshold of consumed tokens, e.g. "0:16 2.4B:320 4.8B:624" (K, M, B, T '
-        "suffixes); its last batch is the global batch size",
-    )
-    recompute_activations: bool = _f(
-        False, "selective recomputation: the same as --recompute-granularity selective (as Megatron sets it)"
-    )
-    recompute_granularity: str = _f(
-        None,
-        "full: checkpoint whole blocks, keeping only their inputs (needs --recompute-method and "
-        "--recompute-num-layers); selective: checkpoint the core attention softmax(QK^T/sqrt(d))V of "
-        "every block, whose T x T scores are the 5as/h term of the activations",
-        choices=["full", "selective"],
-    )
-    recompute_method: str = _f(
-        None,
-        "with --recompute-granularity full: uniform, groups of --recompute-num-layers consecutive blocks "
-        "each keeping its input; block, only the first --recompute-num-layers blocks of each stage",
-        choices=["uniform", "block"],
-    )
-    recompute_num_layers: int = _f(
-        None,
-        "with --recompute-granularity full: blocks per group (uniform) or per stage (block), 1 to L / pp "
-        "(per model chunk with interleaving: 1 to L / (pp v))",
-    )
-    attention_backend: str = _f(
-        "auto",
-        "core attention: auto, flash and fused run PyTorch's scaled_dot_product_attention (its fused "
-        "kernel keeps no T x T scores); unfused and local the explicit softmax(QK^T/sqrt(d))V, which stores them",
-        choices=["flash", "fused", "unfused", "local", "auto"],
-    )
-    train_iters: int = _f(None, "optimizer steps to train for (required)")
-    exit_duration_in_mins: float = _f(None, "save and stop after this many minutes")
-    exit_signal_handler: bool = _f(
-        False,
-        "on --exit-signal, every rank finishes its iteration, agrees (MAX all-reduce), saves a checkpoint "
-        "(with --save) and exits 0",
-    )
-    exit_signal: str = _f(
-        "SIGTERM",
-        "the signal --exit-signal-handler catches: SIGTERM is what Slurm sends at the time limit (then "
-        "SIGKILL KillWait s later); #SBATCH --signal=USR1@N sends SIGUSR1 N s before it",
-        choices=list(SIGNALS),
-    )
-    optimizer: str = _f(
-        "adam", "adam (decoupled weight decay, as Megatron) or sgd", choices=["adam", "adamw", "sgd"]
-    )
-    device_memory_gib: float = _f(
-        None,
-        "cap each rank's CUDA memory at this many GiB (set_per_process_memory_fraction), so that "
-        "a sweep runs out of memory at the same micro batch on any card; on CPU the job's --mem is the cap",
-    )
-    torch_compile: bool = _f(
-        False,
-        "compile every transformer block with torch.compile (inductor; one graph for all blocks, "
-        "compiled in the first iteration; needs a C compiler on a CPU); prints the first iteration's "
-        "and the steady-state time at the end",
-    )
-    profile_execution: bool = _f(
-        False, "torch.profiler trace of --profile-step-start+1..end (True|False)", tf=True
-    )
-    profile_name: str = _f("profile", "run name of the trace under --tensorboard-dir")
-    profile_ranks: str = _f("0", "global ranks that write a trace, e.g. 0,2: one per pipeline stage")
-    profile_step_start: int = _f(1, "the profiler warms up on this iteration and traces the next ones")
-    profile_step_end: int = _f(3, "last traced iteration (traced: start+1 .. end)")
-
-
-@dataclass
 class InitializationArgs:
     """The seed and the initialisation (Megatron's ``_add_initialization_args``)."""
 
     seed: int = _f(1234, "seed of initialisation, data shuffling and dropout")
     init_method_std: float = _f(0.02, "std of the normal initialisation; output layers use std/sqrt(2L)")
-
-
-@dataclass
-class LearningRateArgs:
-    """The learning-rate schedule (Megatron's ``_add_learning_rate_args``)."""
-
-    lr: float = _f(None, "peak learning rate (required)")
-    lr_decay_style: str = _f("linear", "decay shape", choices=["constant", "linear", "cosine"])
-    lr_decay_iters: int = _f(None, "iterations of decay (default --train-iters)")
-    lr_warmup_fraction: float = _f(None, "fraction of --lr-decay-iters spent in linear warm-up")
-    lr_warmup_iters: int = _f(0, "warm-up iterations (when no fraction is given)")
-    min_lr: float = _f(0.0, "learning rate at the end of the decay")
-
-
-@dataclass
-class CheckpointingArgs:
-    """Checkpoints (Megatron's ``_add_checkpointing_args``)."""
-
-    save: str = _f(None, "checkpoint directory to write")
-    save_interval: int = _f(None, "iterations between checkpoints (and one at the end)")
-    load: str = _f(None, "checkpoint directory to resume from")
-    ckpt_format: str = _f(
-        "torch",
-        "torch: one file per tensor/pipeline rank, written by data-parallel rank 0 (Megatron's legacy "
-        "format); torch_dist: torch.distributed.checkpoint, every rank writes its shards, loadable by "
-        "another number of data-parallel ranks, with or without FSDP2 (Megatron-LM's default)",
-        choices=["torch", "torch_dist"],
-    )
-    async_save: bool = _f(
-        False,
-        "with --ckpt-format torch_dist: copy the state to CPU memory, then write it in a thread while "
-        "training goes on (dcp.async_save); the next save and the end of training wait for it",
-    )
-
-
-@dataclass
-class MixedPrecisionArgs:
-    """fp16 or bf16, and the loss scale (Megatron's ``_add_mixed_precision_args``)."""
-
-    fp16: bool = _f(False, "float16 compute with dynamic loss scaling")
-    bf16: bool = _f(False, "bfloat16 compute")
-    initial_loss_scale: float = _f(2.0**32, "first loss scale with --fp16")
-    min_loss_scale: float = _f(1.0, "smallest loss scale")
-    loss_scale_window: int = _f(1000, "clean steps before the scale doubles")
-    hysteresis: int = _f(2, "overflows tolerated before the scale halves")
 
 
 @dataclass
@@ -251,53 +130,37 @@ class DistributedArgs:
 
 
 @dataclass
-class ValidationArgs:
-    """Evaluation (Megatron's ``_add_validation_args``)."""
-
-    eval_iters: int = _f(100, "global batches per validation run")
-    eval_interval: int = _f(1000, "iterations between validation runs")
-
-
-@dataclass
-class DataArgs:
-    """The dataset and the tokenizer (Megatron's ``_add_data_args``)."""
-
-    data_path: str = _f(None, "prefix of the .bin/.idx dataset, e.g. data/gpt/corpus_text_document")
-    data_impl: str = _f("mmap", "indexed dataset implementation (only mmap)", choices=["mmap"])
-    split: str = _f("969,30,1", "train,validation,test proportions of the documents")
-    seq_length: int = _f(None, "tokens per sample fed to the model (required)")
-    vocab_file: str = _f(None, "GPT-2-style vocab.json")
-    merge_file: str = _f(None, "GPT-2-style merges.txt")
-    tokenizer_type: str = _f("GPT2BPETokenizer", "tokenizer kind", choices=["GPT2BPETokenizer"])
-
-
-@dataclass
-class LoggingArgs:
-    """The log line and TensorBoard (Megatron's ``_add_logging_args``)."""
-
-    log_interval: int = _f(100, "iterations between log lines")
-    tensorboard_dir: str = _f(None, "write TensorBoard scalars here")
-    tensorboard_queue_size: int = _f(1000, "events buffered before TensorBoard flushes")
-    log_timers_to_tensorboard: bool = _f(False, "also write timers")
-    log_batch_size_to_tensorboard: bool = _f(False, "also write the batch size")
-    log_validation_ppl_to_tensorboard: bool = _f(False, "also write validation perplexity")
-
-
-@dataclass
 class MoEArgs:
-    """Mixture of experts (Megatron's ``_add_moe_args``)."""
+    """Mixture of experts (Megatron's ``_add_moe_args`` and the MoE fields of its ``TransformerConfig``)."""
 
     num_experts: int = _f(
         None, "experts E per MoE layer: every block's MLP becomes a router and E experts (None: dense)"
     )
     expert_model_parallel_size: int = _f(
         1,
-        "ep: the data-parallel ranks over which each layer's experts are split (E / ep per rank); divides dp",
+        "ep: the data-parallel (x context-parallel) ranks over which each layer's experts are split "
+        "(E / ep per rank); divides dp x cp",
+    )
+    expert_tensor_parallel_size: int = _f(
+        None,
+        "etp: tensor parallelism inside each expert (default: --tensor-model-parallel-size, the only "
+        "size built here: the experts' MLPs are split over the tp ranks)",
     )
     moe_router_topk: int = _f(2, "k: experts per token (softmax over the k largest router logits)")
-    moe_aux_loss_coeff: float = _f(
+    moe_router_load_balancing_type: list = _f(
+        "aux_loss",
+        "aux_loss (Switch/GShard, per micro-batch) or none; Megatron's seq_aux_loss, global_aux_loss, "
+        "sinkhorn and quantile_balancing are refused with the reason",
+        nargs="+",
+        type=str,
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"],
+    )
+    moe_aux_loss_coeff: list = _f(
         0.0,
-        "weight of the Switch/GShard load-balancing loss E sum_i f_i P_i added to the lm loss (1e-2 is a start)",
+        "weight of the Switch/GShard load-balancing loss E sum_i f_i P_i added to the lm loss (1e-2 is a "
+        "start); one per --moe-router-load-balancing-type",
+        nargs="+",
+        type=float,
     )
     moe_expert_capacity_factor: float = _f(
         None,
@@ -306,9 +169,15 @@ class MoEArgs:
     )
     moe_token_dispatcher_type: str = _f(
         "allgather",
-        "how tokens reach experts on other ranks: alltoall (all_to_all_single of uneven splits, the one this "
-        "engine implements; needed when --expert-model-parallel-size > 1); allgather is Megatron's default",
-        choices=["allgather", "alltoall"],
+        "how tokens reach experts on other ranks: allgather (Megatron's default: every token to every "
+        "rank of the tp x ep group, reduce-scatter back) or alltoall (only the routed pairs travel, in "
+        "uneven all-to-alls)",
+        choices=["allgather", "alltoall", "flex"],
+    )
+    moe_grouped_gemm: bool = _f(
+        False,
+        "Megatron: one grouped GEMM (Transformer Engine, CUDA) for the local experts; accepted here, where "
+        "the local experts run in a loop (the log says so)",
     )
 
 
@@ -325,9 +194,11 @@ class DeepSpeedArgs:
 
 @dataclass
 class PretrainArgs(
+    RefusedArgs,
     DeepSpeedArgs,
     MoEArgs,
     LoggingArgs,
+    TokenizerArgs,
     DataArgs,
     ValidationArgs,
     DistributedArgs,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 
 from distlab.gpt.arguments.groups import PretrainArgs
@@ -34,12 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
         tf = meta.pop("tf", False)
         kind = hints[f.name]
         if kind is bool and tf:
-            parser.add_argument(flag, type=_str2bool, default=f.default, metavar="True|False", help=help_)
-        elif kind is bool:
-            parser.add_argument(flag, action="store_true", help=help_)
+            parser.add_argument(
+                flag, type=_str2bool, default=f.default, dest=f.name, metavar="True|False", help=help_
+            )
+        elif kind is bool:  # a switch; "store_false": --no-* of a field that defaults to True
+            parser.add_argument(flag, action=meta.pop("action", "store_true"), dest=f.name, help=help_)
         else:
             meta.setdefault("type", kind)
-            parser.add_argument(flag, default=f.default, help=help_, **meta)
+            parser.add_argument(flag, default=f.default, dest=f.name, help=help_, **meta)
     parser.add_argument("--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)
     parser.add_argument(  # Megatron-LM's current name for the same field
         "--num-virtual-stages-per-pipeline-rank", type=int, dest="virtual_pipeline_model_parallel_size",
@@ -59,15 +62,21 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
 
 
 def parse_split(split: str) -> list[float]:
-    """``"949,50,1"`` -> ``[0.949, 0.05, 0.001]`` (missing parts are 0)."""
-    try:
-        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--split {split!r} must be numbers separated by commas, e.g. 949,50,1") from None
+    """``"949,50,1"`` -> ``[0.949, 0.05, 0.001]`` (missing parts are 0). As Megatron, the numbers
+    are read out of the text, so that ``'99,1,0'`` with its quotes (what ``"--split '99,1,0'"``
+    becomes in a bash array expanded unquoted, as Megatron's Llama 3 example does) is 99,1,0."""
+    parts = [float(s) for s in re.findall(r"[.0-9]+", split)]  # Megatron's reading: the numbers in it
+    if not parts or re.sub(r"[.0-9,/'\"\s]", "", split):
+        raise ValueError(f"--split {split!r} must be numbers separated by commas, e.g. 949,50,1")
     if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
         raise ValueError(f"--split {split!r} must be 1 to 3 non-negative numbers with a positive sum")
     parts += [0.0] * (3 - len(parts))
     return [p / sum(parts) for p in parts]
+
+
+def as_list(value) -> list:
+    """A flag of Megatron's ``nargs='+'`` as a list: its default is one value, a given flag a list."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def profile_ranks(args: PretrainArgs) -> set[int]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from distlab.distributed import pick_backend
 from distlab.gpt.arguments.backends import (
     _ckpt_format_errors,
@@ -15,8 +17,12 @@ from distlab.gpt.arguments.backends import (
     _torch_compile_errors,
     _torch_fsdp2_errors,
 )
+from distlab.gpt.arguments.data_checks import data_errors, tokenizer_errors
 from distlab.gpt.arguments.groups import PretrainArgs
-from distlab.gpt.arguments.parser import parse_split, profile_ranks
+from distlab.gpt.arguments.implementations import apply_profile_flags, implementation_errors
+from distlab.gpt.arguments.parser import as_list, parse_split, profile_ranks
+from distlab.gpt.arguments.refused import refused_errors
+from distlab.gpt.arguments.samples import decoupled_lr_errors, length_errors, train_iters_from_samples
 from distlab.gpt.layout import (
     Layout,
     context_dropout_error,
@@ -24,7 +30,8 @@ from distlab.gpt.layout import (
     parse_step_schedule,
     rampup_schedule,
 )
-from distlab.gpt.moe.moe_layer import config_errors, placement_errors
+from distlab.gpt.moe.moe_layer import config_errors, placement_errors, tensor_parallel_error
+from distlab.gpt.moe.router import LOAD_BALANCING_TYPES
 from distlab.gpt.pipeline_parallel.schedules import check_schedule
 from distlab.gpt.transformer.recompute import granularity_of, recompute_errors
 
@@ -34,12 +41,17 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
 
     Raises ``ValueError`` listing every problem found, before any compute.
     """
-    required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                "train_iters", "lr")  # fmt: skip
+    required = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
     missing = [f"--{name.replace('_', '-')} is required" for name in required if getattr(args, name) is None]
+    missing += length_errors(args)  # --train-iters or --train-samples, and their schedule flags
     if missing:
         raise ValueError("; ".join(missing))
     layout = build_layout(args, world_size)
+    if args.train_samples is not None:
+        args.train_iters = train_iters_from_samples(
+            args, layout.global_batch_size, bool(layout.batch_schedule)
+        )
+    apply_profile_flags(args)
     layout.validate_model(
         num_layers=args.num_layers,
         num_attention_heads=args.num_attention_heads,
@@ -49,9 +61,14 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
     args.global_batch_size = layout.global_batch_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if args.lr_decay_iters is None:
+    if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
     errors = [
+        *refused_errors(args, torch.cuda.is_available()),
+        *data_errors(args),
+        *tokenizer_errors(args),
+        *implementation_errors(args),
+        *decoupled_lr_errors(args),
         *_model_and_optimizer_errors(args),
         *_file_errors(args),
         *_profile_errors(args, world_size),
@@ -105,7 +122,8 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
         global_batch_size=args.global_batch_size,
         batch_schedule=schedule,
         vp=args.virtual_pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
+        # Megatron turns --sequence-parallel off without tensor parallelism (and says so at start-up)
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
     )
 
 
@@ -172,7 +190,8 @@ def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
 
 
 def _file_errors(args: PretrainArgs) -> list[str]:
-    """The dataset, the tokenizer files, the checkpoint folders and the exit signal that saves."""
+    """The checkpoint folders and the exit signal that saves (the data and tokenizer files:
+    ``data_checks.py``)."""
     errors = []
     if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:
         errors.append(
@@ -183,17 +202,6 @@ def _file_errors(args: PretrainArgs) -> list[str]:
         errors.append(f"--save-interval {args.save_interval} was given without --save DIR")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         errors.append(f"--load {args.load} is a file, not a checkpoint directory")
-    if args.data_path is None:
-        errors.append("--data-path is required: run code/preprocess_data.py first (see its docstring)")
-    elif not (os.path.exists(args.data_path + ".bin") and os.path.exists(args.data_path + ".idx")):
-        errors.append(
-            f"--data-path {args.data_path}: no {args.data_path}.bin/.idx; give the prefix "
-            f"written by preprocess_data.py (it ends in _text_document)"
-        )
-    for name in ("vocab_file", "merge_file"):
-        path = getattr(args, name)
-        if path is None or not os.path.exists(path):
-            errors.append(f"--{name.replace('_', '-')} {path} does not exist: run code/train_tokenizer.py")
     return errors
 
 
@@ -233,9 +241,11 @@ def _recompute_errors(args: PretrainArgs, layout: Layout) -> list[str]:
 
 
 def _moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
-    """The MoE flags against each other and the layout (ep dividing dp is the layout's own check).
-    Refused, as not built here: MoE with tp or pp > 1, with full recomputation, DeepSpeed or
-    FSDP2, and checkpoints of experts split over ep ranks."""
+    """The MoE flags against each other and the layout (ep dividing dp x cp is the layout's own
+    check), as megatron-core's ``TransformerConfig`` and ``parallel_state`` check them. Refused, as
+    not built here: expert tensor parallelism other than etp = tp, the flex dispatcher, load
+    balancing other than aux_loss or none, full recomputation, DeepSpeed, FSDP2 and DTensor, and
+    torch_dist checkpoints of experts split over ep ranks."""
     if args.num_experts is None:
         if args.moe_expert_capacity_factor is not None:
             return [
@@ -244,39 +254,67 @@ def _moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         return []
     errors = config_errors(args.num_experts, args.moe_router_topk, args.moe_expert_capacity_factor)
     errors += placement_errors(args.num_experts, layout.ep)
-    if layout.ep > 1 and args.moe_token_dispatcher_type != "alltoall":
+    errors += _load_balancing_errors(args)
+    etp = args.expert_tensor_parallel_size
+    if etp is not None and etp != layout.tp:
         errors.append(
-            f"--expert-model-parallel-size {layout.ep} with --moe-token-dispatcher-type "
-            f"{args.moe_token_dispatcher_type}: this engine moves tokens between expert ranks with "
-            f"all-to-all only; add --moe-token-dispatcher-type alltoall"
+            f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {layout.tp}: this engine "
+            f"splits each expert over the tp ranks themselves (megatron-core's default, etp = tp); leave "
+            f"the flag out or set it to {layout.tp}"
         )
-    if layout.tp > 1 or layout.pp > 1:
+    if error := tensor_parallel_error(layout.tp, layout.sequence_parallel):
+        errors.append(error)
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    if ffn % layout.tp:
         errors.append(
-            f"--num-experts with --tensor-model-parallel-size {layout.tp} and --pipeline-model-parallel-size "
-            f"{layout.pp}: this engine's MoE runs with tp = pp = 1 only (experts split over data-parallel "
-            f"ranks; the aux loss joins the loss on the one stage); set both to 1"
+            f"the experts' FFN width {ffn} (--ffn-hidden-size, default 4 x --hidden-size) is not divisible "
+            f"by --tensor-model-parallel-size {layout.tp}, over which each expert is split (etp = tp): "
+            f"choose a multiple of {layout.tp}"
         )
-    if layout.cp > 1:
+    if args.moe_token_dispatcher_type == "flex":
         errors.append(
-            f"--num-experts with --context-parallel-size {layout.cp}: this engine's router counts the "
-            f"tokens per expert of one sequence shard only (Megatron sums them over the cp group); "
-            f"set --context-parallel-size 1"
+            "--moe-token-dispatcher-type flex: Megatron's flex dispatcher runs DeepEP or HybridEP kernels "
+            "(CUDA, NVLink/RDMA); use allgather (the default) or alltoall"
         )
     if args.recompute_granularity == "full":
         errors.append(
-            "--num-experts with --recompute-granularity full: the router's aux loss would be computed "
-            "inside the checkpointed blocks; use --recompute-activations (selective) or none"
+            "--num-experts with --recompute-granularity full: the router's statistics would be counted "
+            "again when the blocks are recomputed; use --recompute-activations (selective) or none"
         )
-    if args.deepspeed or args.use_torch_fsdp2:
+    for flag, given in (("--deepspeed", args.deepspeed), ("--use-torch-fsdp2", args.use_torch_fsdp2),
+                        ("--tensor-parallel-impl dtensor", args.tensor_parallel_impl == "dtensor")):  # fmt: skip
+        if given:
+            errors.append(
+                f"--num-experts with {flag}: that back end averages every gradient over all data-parallel "
+                f"ranks and has no expert groups; MoE runs on this engine's own back end: drop {flag}"
+            )
+    if layout.ep > 1 and (args.save or args.load) and args.ckpt_format != "torch":
         errors.append(
-            "--num-experts with --deepspeed / --use-torch-fsdp2: those back ends average every gradient "
-            "over all data-parallel ranks; MoE runs on this engine's own back end: drop them"
+            f"--save/--load with --expert-model-parallel-size {layout.ep} and --ckpt-format {args.ckpt_format}: "
+            f"each ep rank holds other experts (and their optimizer state), which only the legacy format "
+            f"writes here (one file per tp, pp and ep rank); use --ckpt-format torch"
         )
-    if layout.ep > 1 and (args.save or args.load):
+    return errors
+
+
+def _load_balancing_errors(args: PretrainArgs) -> list[str]:
+    """One ``--moe-router-load-balancing-type`` of those built, one coefficient per type (Megatron's rule)."""
+    types, coeffs = as_list(args.moe_router_load_balancing_type), as_list(args.moe_aux_loss_coeff)
+    errors = []
+    if len(types) > 1:
         errors.append(
-            f"--save/--load with --expert-model-parallel-size {layout.ep}: each ep rank holds different "
-            f"experts and the checkpoint formats here write one copy per model-parallel rank; drop "
-            f"--save/--load or use --expert-model-parallel-size 1"
+            f"--moe-router-load-balancing-type {' '.join(types)}: combining several balancing losses is "
+            f"not built here; give one (aux_loss)"
+        )
+    for kind in types:
+        if why := LOAD_BALANCING_TYPES.get(kind):
+            errors.append(
+                f"--moe-router-load-balancing-type {kind}: {why}; use aux_loss (the default) or none"
+            )
+    if len(coeffs) != len(types):
+        errors.append(
+            f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per "
+            f"--moe-router-load-balancing-type ({len(types)} given), as Megatron requires"
         )
     return errors
 
@@ -296,7 +334,7 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             (None, True, context_dropout_error(layout.cp, args.attention_dropout)),  # the layout's rule
             ("--ckpt-format torch_dist", args.ckpt_format == "torch_dist" and bool(args.save or args.load),
              "cp ranks hold the same weights under the same names; use --ckpt-format torch"),
-            ("--sequence-parallel", args.sequence_parallel,
+            ("--sequence-parallel", layout.sequence_parallel,
              "not combined with ring attention in this engine; drop one"),
         )
         if given and why
@@ -311,7 +349,7 @@ def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         check_schedule(args.pipeline_schedule, layout.vp)
     except ValueError as e:
         return [str(e)]
-    if layout.vp > 1 and args.sequence_parallel:
+    if layout.vp > 1 and layout.sequence_parallel:
         return [
             f"--sequence-parallel with an interleaved pipeline (v = {layout.vp}): not combined in this "
             f"engine; drop the virtual-pipeline flag or --sequence-parallel"

@@ -5,6 +5,11 @@ Layout under ``--save`` (one file per tensor/pipeline rank; data-parallel rank 0
     latest_checkpointed_iteration.txt        "20"
     iter_0000020/mp_rank_00/model_optim_rng.pt          pp = 1: mp_rank_<tp>
     iter_0000020/mp_rank_00_001/model_optim_rng.pt      pp > 1: mp_rank_<tp>_<pp>
+    iter_0000020/mp_rank_00_001_001/model_optim_rng.pt  ep > 1: ..._<ep rank> (Megatron's suffix)
+
+With expert parallelism the ep ranks of the first ep block of each dp x cp group write (each holds
+other experts, the dense weights alike: Megatron's expert-data-parallel rank 0), and every rank
+reads the file of its (tp, pp, ep) place.
 
 Atomic and durable (:func:`commit`, with ``durable.py``): a job killed, or a node losing power,
 at any moment of a save leaves the tracker naming a complete checkpoint::
@@ -52,6 +57,9 @@ from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
+#: The tracker's word for a model-only checkpoint in ``release/`` (Megatron's: what its converters
+#: write, and ``code/convert_checkpoint.py``): loaded at iteration 0, without optimizer or RNG.
+RELEASE = "release"
 #: Arguments a checkpoint must agree on to be loaded.
 MUST_MATCH = (
     "num_layers",
@@ -61,6 +69,7 @@ MUST_MATCH = (
     "max_position_embeddings",
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
 )
 
 
@@ -74,7 +83,17 @@ def rank_file(folder: str, state: ParallelState) -> str:
         if state.pp == 1
         else f"mp_rank_{state.tp_rank:02d}_{state.pp_rank:03d}"
     )
+    if state.ep > 1:
+        sub += f"_{state.ep_rank:03d}"
     return os.path.join(folder, sub, "model_optim_rng.pt")
+
+
+def writes_checkpoint(state: ParallelState) -> bool:
+    """Data-parallel rank 0 of cp rank 0 (cp ranks hold the same weights); with ep > 1 the first ep
+    ranks of the dp x cp group, which hold every expert once (expert-data-parallel rank 0)."""
+    if state.ep == 1:
+        return state.dp_rank == 0 and state.cp_rank == 0
+    return state.dp_rank * state.cp + state.cp_rank < state.ep
 
 
 def rng_state() -> dict:
@@ -118,7 +137,7 @@ def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -
     if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
     dist.barrier()
-    if state.dp_rank == 0 and state.cp_rank == 0:  # cp ranks hold the same weights
+    if writes_checkpoint(state):
         path = rank_file(tmp, state)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         ckpt = {
@@ -173,6 +192,15 @@ def committed_dir(root: str, iteration: int) -> str:
     return final
 
 
+def is_release(root: str) -> bool:
+    """Whether ``root``'s tracker names a release checkpoint (:data:`RELEASE`)."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return f.read().strip() == RELEASE
+
+
 def read_tracker(root: str) -> int | None:
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
@@ -191,11 +219,13 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[int, int, dict | None] | None:
     """Restore from ``args.load``; return ``(iteration, consumed_samples, scaler_state)``, or None
-    when the folder holds no checkpoint yet (a fresh start, as Megatron does)."""
-    iteration = read_tracker(args.load)
+    when the folder holds no checkpoint yet (a fresh start, as Megatron does). A release checkpoint
+    restores the model only: ``(0, 0, None)``, the optimizer and the RNG left as the run made them."""
+    release = is_release(args.load)
+    iteration = 0 if release else read_tracker(args.load)
     if iteration is None:
         return None
-    folder = committed_dir(args.load, iteration)
+    folder = os.path.join(args.load, RELEASE) if release else committed_dir(args.load, iteration)
     path = rank_file(folder, state)
     if os.path.exists(os.path.join(folder, ".metadata")):  # DCP's
         raise FileNotFoundError(
@@ -210,9 +240,13 @@ def load_checkpoint(
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     check_args(ckpt["args"], args, path)
     model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    set_rng_state(ckpt["rng"])
-    return ckpt["iteration"], ckpt["consumed_samples"], ckpt["scaler"]
+    if release:
+        return 0, 0, None
+    if not args.no_load_optim:  # Megatron's --no-load-optim: fresh Adam moments and loss scale
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if not args.no_load_rng:
+        set_rng_state(ckpt["rng"])
+    return ckpt["iteration"], ckpt["consumed_samples"], None if args.no_load_optim else ckpt["scaler"]
 
 
 def check_args(saved: dict, args: PretrainArgs, path: str, *, may_differ: tuple[str, ...] = ()) -> None:

@@ -153,6 +153,11 @@ def load_checkpoint(
 ) -> tuple[int, int, dict | None] | None:
     """Restore from ``args.load`` in the run's own sharding; return ``(iteration,
     consumed_samples, scaler_state)``, or None when the folder holds no checkpoint yet."""
+    if checkpointing.is_release(args.load):
+        raise FileNotFoundError(
+            f"{args.load} holds a release checkpoint (model only, one file per tp x pp rank, as "
+            f"convert_checkpoint.py writes): load it with --ckpt-format torch"
+        )
     iteration = checkpointing.read_tracker(args.load)
     if iteration is None:
         return None
@@ -172,7 +177,7 @@ def load_checkpoint(
     # hand-written TP's), which DCP cuts for the loading layout
     checkpointing.check_args(common["args"], args, folder, may_differ=("tensor_model_parallel_size",))
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata  # every key saved
-    with_optimizer = any(key.startswith("optimizer.") for key in saved)
+    with_optimizer = any(key.startswith("optimizer.") for key in saved) and not args.no_load_optim
     state_dict = _state_dict(model, optimizer, with_optimizer=with_optimizer)  # this run's, to be filled
     dcp.load(state_dict, checkpoint_id=folder)
     set_model_state_dict(model, state_dict["model"], options=OPTIONS)
@@ -182,5 +187,6 @@ def load_checkpoint(
     # new dp ranks: dp 0's; new tp ranks too: tp 0's default stream, but their own model-parallel
     # stream (tp 0's would repeat its attention-dropout masks)
     own = rngs.get(_coords(state)) or rngs.get((tp_rank, pp_rank, 0))
-    checkpointing.set_rng_state(own or rngs[(0, pp_rank, 0)], tracker=own is not None)
-    return common["iteration"], common["consumed_samples"], common["scaler"]
+    if not args.no_load_rng:
+        checkpointing.set_rng_state(own or rngs[(0, pp_rank, 0)], tracker=own is not None)
+    return common["iteration"], common["consumed_samples"], None if args.no_load_optim else common["scaler"]

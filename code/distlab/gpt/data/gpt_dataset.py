@@ -11,10 +11,16 @@ one token so every token is once a label). The samples are then shuffled with th
     labels = sample[1:]    # (s,)   next-token targets
 
 Everything is a pure function of (documents, split, seed, s, number of samples), so every rank
-and every resumed run sees the same sample ``i``.
+and every resumed run sees the same sample ``i``. With ``cache_dir`` (``--data-cache-path``) the
+two index arrays (document order, sample shuffle) are written there as ``.npy`` files named by a
+hash of those inputs, as Megatron caches its indices, and read back by the next run.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import os
 
 import numpy as np
 import torch
@@ -40,9 +46,21 @@ class GPTDataset:
         num_samples: int,
         seed: int,
         name: str = "train",
+        cache_dir: str | None = None,
     ) -> None:
         start, stop = doc_range
         self.indexed, self.seq_length, self.name = indexed, seq_length, name
+        self.cache_files: tuple[str, str] | None = None
+        self.cache_hit = False
+        if cache_dir is not None:
+            key = json.dumps(
+                [str(indexed.prefix), len(indexed), doc_range, seq_length, num_samples, seed, name]
+            )
+            stem = os.path.join(cache_dir, f"{hashlib.md5(key.encode()).hexdigest()}-{name}")
+            self.cache_files = (f"{stem}-doc_idx.npy", f"{stem}-shuffle_idx.npy")
+            if all(os.path.exists(f) for f in self.cache_files):
+                self.doc_idx, self.shuffle_idx = (np.load(f) for f in self.cache_files)
+                self.cache_hit = True
         docs = np.arange(start, stop, dtype=np.int64)
         tokens_per_epoch = int(indexed.sizes[start:stop].sum())
         if tokens_per_epoch < seq_length + 1:
@@ -53,13 +71,17 @@ class GPTDataset:
         samples_per_epoch = (tokens_per_epoch - 1) // seq_length
         self.num_epochs = max(1, -(-num_samples // samples_per_epoch))
         rng = np.random.RandomState(seed)
-        # doc_idx: the stream's documents in order, epoch after epoch        (E * n_split_docs,)
-        self.doc_idx = np.concatenate([rng.permutation(docs) for _ in range(self.num_epochs)])
+        if not self.cache_hit:
+            # doc_idx: the stream's documents in order, epoch after epoch        (E * n_split_docs,)
+            self.doc_idx = np.concatenate([rng.permutation(docs) for _ in range(self.num_epochs)])
         sizes = indexed.sizes[self.doc_idx].astype(np.int64)
         self.doc_start = np.zeros(len(sizes) + 1, dtype=np.int64)  # stream offset of each doc
         np.cumsum(sizes, out=self.doc_start[1:])
-        total = (int(self.doc_start[-1]) - 1) // seq_length
-        self.shuffle_idx = rng.permutation(total)  # (total samples,)
+        if not self.cache_hit:
+            total = (int(self.doc_start[-1]) - 1) // seq_length
+            self.shuffle_idx = rng.permutation(total)  # (total samples,)
+            if self.cache_files is not None:
+                _save_atomically(self.cache_files, (self.doc_idx, self.shuffle_idx))
         self.num_samples = num_samples
 
     def __len__(self) -> int:
@@ -85,13 +107,32 @@ class GPTDataset:
         return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
 
 
+def _save_atomically(files: tuple[str, ...], arrays: tuple[np.ndarray, ...]) -> None:
+    """Each array to its ``.npy`` through a temporary name: ranks writing the same cache at once
+    each replace it whole, with the same content."""
+    os.makedirs(os.path.dirname(files[0]) or ".", exist_ok=True)
+    for path, array in zip(files, arrays, strict=True):
+        tmp = f"{path}.tmp{os.getpid()}.npy"
+        np.save(tmp, array)
+        os.replace(tmp, path)
+
+
 def build_datasets(
-    prefix: str, split: list[float], seq_length: int, num_samples: list[int], seed: int
+    indexed: IndexedDataset | str,
+    split: list[float],
+    seq_length: int,
+    num_samples: list[int],
+    seed: int,
+    cache_dir: str | None = None,
 ) -> list[GPTDataset | None]:
-    """Train / validation / test datasets; ``None`` where no sample is needed or the split share is 0."""
-    indexed = IndexedDataset(prefix)
+    """Train / validation / test datasets of ``indexed`` (a dataset prefix, an ``IndexedDataset``
+    or ``mock_dataset.MockIndexedDataset``); ``None`` where no sample is needed or the split share is 0."""
+    if isinstance(indexed, str):
+        indexed = IndexedDataset(indexed)
     out: list[GPTDataset | None] = []
     ranges = split_ranges(len(indexed), split)
     for name, rng_, n, w in zip(("train", "validation", "test"), ranges, num_samples, split, strict=True):
-        out.append(GPTDataset(indexed, rng_, seq_length, n, seed, name) if n > 0 and w > 0 else None)
+        out.append(
+            GPTDataset(indexed, rng_, seq_length, n, seed, name, cache_dir) if n > 0 and w > 0 else None
+        )
     return out

@@ -71,10 +71,12 @@ class IndexedDatasetBuilder:
 
 
 class IndexedDataset:
-    """Read-only view of ``PREFIX.bin/.idx``: ``ds[i]`` is document ``i`` as a numpy array."""
+    """Read-only view of ``PREFIX.bin/.idx``: ``ds[i]`` is document ``i`` as a numpy array.
+    ``mmap=False`` (``--no-mmap-bin-files``): the .bin is not mapped; each read opens it, seeks and
+    reads the tokens asked for (Megatron's file reader), the index is mapped either way."""
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
+    def __init__(self, prefix: str, mmap: bool = True) -> None:
+        self.prefix, self.mmap = prefix, mmap
         with open(prefix + ".idx", "rb") as f:
             magic = f.read(8)
             if magic != MAGIC:
@@ -85,7 +87,9 @@ class IndexedDataset:
         idx = np.memmap(prefix + ".idx", mode="r", dtype=np.uint8)
         self.sizes = np.frombuffer(idx, dtype=np.int32, count=n, offset=17)  # (n,)
         self.pointers = np.frombuffer(idx, dtype=np.int64, count=n, offset=17 + 4 * n)  # (n,)
-        self._bin = np.memmap(prefix + ".bin", mode="r", dtype=self.dtype)  # (total tokens,)
+        self._bin = (
+            np.memmap(prefix + ".bin", mode="r", dtype=self.dtype) if mmap else None
+        )  # (total tokens,)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -98,6 +102,10 @@ class IndexedDataset:
         size = int(self.sizes[i])
         length = size - offset if length is None else length
         start = int(self.pointers[i]) + offset
+        if self._bin is None:
+            with open(self.prefix + ".bin", "rb") as f:
+                f.seek(start * self.dtype.itemsize)
+                return np.fromfile(f, dtype=self.dtype, count=length)
         return np.asarray(self._bin[start : start + length])
 
     @property

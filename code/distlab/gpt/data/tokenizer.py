@@ -17,7 +17,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenizers import ByteLevelBPETokenizer
+from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -64,17 +64,10 @@ def train_bpe(texts: list[str], out_dir: str | os.PathLike, vocab_size: int = 40
     return str(out / "vocab.json"), str(out / "merges.txt")
 
 
-class GPT2BPETokenizer:
-    """Load ``vocab.json`` + ``merges.txt`` with ``tokenizers``; ids in, ids out."""
+class TokenizersLibrary:
+    """Ids in, ids out through a ``tokenizers`` object ``self._tok`` (set by the subclass)."""
 
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
-        for p in (vocab_file, merge_file):
-            if not os.path.exists(p):
-                raise FileNotFoundError(f"{p} does not exist: run code/train_tokenizer.py to create it")
-        self._tok = ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
-        self.eod = self._tok.token_to_id(EOD_TOKEN)
-        if self.eod is None:
-            raise ValueError(f"{vocab_file} has no {EOD_TOKEN} token")
+    _tok: Tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -88,3 +81,16 @@ class GPT2BPETokenizer:
 
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+
+class GPT2BPETokenizer(TokenizersLibrary):
+    """Load ``vocab.json`` + ``merges.txt`` with ``tokenizers``; ids in, ids out."""
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        for p in (vocab_file, merge_file):
+            if not os.path.exists(p):
+                raise FileNotFoundError(f"{p} does not exist: run code/train_tokenizer.py to create it")
+        self._tok = ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
+        self.eod = self._tok.token_to_id(EOD_TOKEN)
+        if self.eod is None:
+            raise ValueError(f"{vocab_file} has no {EOD_TOKEN} token")

@@ -67,8 +67,8 @@ def assign_buckets(params: Sequence[nn.Parameter], bucket_size: int) -> list[lis
 class _Bucket:
     """One flat all-reduce of some parameters' gradients, started once per step."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params, self.ready = params, 0
+    def __init__(self, params: list[nn.Parameter], reduce_dtype: torch.dtype | None = None) -> None:
+        self.params, self.ready, self.reduce_dtype = params, 0, reduce_dtype
         self.flat: torch.Tensor | None = None  # (n_bucket,) the sum, while in flight
         self.work: dist.Work | None = None
 
@@ -76,6 +76,8 @@ class _Bucket:
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
             self.flat = torch.cat([g.reshape(-1) for g in grads])  # (n_bucket,)
+            if self.reduce_dtype is not None:  # --grad-reduce-in-bf16: the sum travels in bf16
+                self.flat = self.flat.to(self.reduce_dtype)
             self.work = dist.all_reduce(self.flat, group=group, async_op=async_op)
 
     def finish(self, replicas: int) -> None:
@@ -95,12 +97,18 @@ class GradBuckets:
     """The dp (x cp) reduction of the dense ``params`` (registration order) in buckets, overlapped or not."""
 
     def __init__(
-        self, params: Sequence[nn.Parameter], state: ParallelState, *, bucket_size: int, overlap: bool
+        self,
+        params: Sequence[nn.Parameter],
+        state: ParallelState,
+        *,
+        bucket_size: int,
+        overlap: bool,
+        reduce_dtype: torch.dtype | None = None,  # --grad-reduce-in-bf16: torch.bfloat16
     ) -> None:
         self.state, self.overlap = state, overlap
         self.group, self.replicas = state.dp_cp_group, state.dp * state.cp  # the same weights
         dense = [p for p in params if p.requires_grad and not (state.ep > 1 and is_expert(p))]
-        self.buckets = [_Bucket(b) for b in assign_buckets(dense, bucket_size)]
+        self.buckets = [_Bucket(b, reduce_dtype) for b in assign_buckets(dense, bucket_size)]
         self.started = [False] * len(self.buckets)
         self.last_micro_batch = False  # armed by the back end for the last backward of a step
         self.enabled = self.replicas > 1

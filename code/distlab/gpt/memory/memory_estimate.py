@@ -104,9 +104,9 @@ group (``rebuilt_parameters``). Against ``torch.profiler``'s count of the CPU al
 (4 layers, h 64-256, s 256-512, bf16, every mode and both attention backends) the peak is
 within +0 to -5 %.
 
-**Mixture of experts** (``--num-experts E``, tp = pp = 1): each block's MLP (8 h^2 + 5 h) becomes
-a router (E h) and this rank's E / ep experts, (E / ep)(8 h^2 + 5 h): expert parameters, their
-gradients and optimizer state divide by ep. Activations are counted as the dense MLP's (the k
+**Mixture of experts** (``--num-experts E``): each block's MLP ((8 h^2 + 4 h) / tp + h on a rank: its
+fc2 bias whole) becomes a router (E h) and this rank's E / ep experts, each split over tp as the
+MLP (etp = tp): expert parameters, their gradients and optimizer state divide by ep x tp. Activations are counted as the dense MLP's (the k
 routed copies of each token are not in the estimate).
 
 **Context parallelism** (``context_parallel/ring_attention.py``): a rank holds s / cp tokens of every sample,
@@ -152,8 +152,8 @@ def layer_parameters(c: MemorySetup) -> int:
     h = c.hidden_size
     split = 12 * h * h + 7 * h  # qkv, proj, fc1, fc2 weights; qkv (3h) and fc1 (4h) biases
     layer = split // c.tp + 6 * h  # + two LayerNorms (4h), proj and fc2 biases (2h), replicated
-    if c.num_experts is not None:  # the MLP's 8h^2 + 5h -> router E h + E / ep experts (tp = 1)
-        layer += c.num_experts * h + (c.num_experts // c.ep - 1) * (8 * h * h + 5 * h)
+    if c.num_experts is not None:  # the MLP's (8h^2 + 4h) / tp + h -> router E h + E / ep such experts
+        layer += c.num_experts * h + (c.num_experts // c.ep - 1) * ((8 * h * h + 4 * h) // c.tp + h)
     return layer
 
 

@@ -1,7 +1,9 @@
-"""Expert parallelism: tokens to the ranks that hold their experts and back, with all-to-all.
+"""Expert parallelism: tokens to the ranks that hold their experts and back, with all-to-all
+(the ``alltoall`` dispatcher of ``token_dispatcher.py``).
 
 E experts over the ``ep`` ranks of an expert-parallel group, ``E_l = E / ep`` each (rank r holds
-experts ``[r E_l, (r + 1) E_l)``). For one micro-batch of N tokens x (N, H), each routed to its k
+experts ``[r E_l, (r + 1) E_l)``; with expert tensor parallelism the group is the etp x ep ranks
+and E its etp x E "virtual experts", ``token_dispatcher.alltoall_dispatch``). For one micro-batch of N tokens x (N, H), each routed to its k
 experts (routing map (N, E), weights p (N, E))::
 
     permute   the R = sum(map) (token, expert) pairs, sorted by expert then token:  x_perm (R, H)

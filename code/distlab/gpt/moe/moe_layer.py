@@ -1,45 +1,43 @@
-"""Mixture of experts: the top-k router, its load-balancing loss, and the layer that replaces the MLP.
+"""Mixture of experts: the layer that replaces a block's MLP (Megatron Core's ``moe/moe_layer.py``).
 
-For the N = b T tokens x (N, H) of a micro-batch, E experts (each an MLP H -> F -> H) and top-k
-(Megatron-LM's defaults: softmax score, softmax *after* the top-k, ``aux_loss`` balancing)::
+For this rank's N tokens x (N, H) of a micro-batch (N = b T, or b T / tp with sequence parallelism,
+b T / cp with context parallelism), E experts and top-k::
 
-    logits  = x W_r^T                                  (N, E), W_r: (E, H), no bias
-    top_n   = topk(logits_n, k)                        the k experts of token n
-    p_n     = softmax(logits_n[top_n])                 (k,): the k weights sum to 1
-    y_n     = sum_{e in top_n} p_ne expert_e(x_n)      (N, H)
+    route     probs p (N, E), routing map (N, E)          router.py: softmax over the top-k logits
+    dispatch  each (token, expert) pair to the rank holding the expert  token_dispatcher.py
+    experts   this rank's E / ep experts, each on its rows (its etp shard)  experts.py
+    combine   y_n = sum_e p_ne expert_e(x_n)              (N, H), back on this rank
 
-Capacity (``--moe-expert-capacity-factor c``): each expert keeps at most
-``C = ceil(k N / E x c)`` of the tokens routed to it, those of highest p (Megatron's "probs" drop
-policy), computed per rank and micro-batch; a dropped (token, expert) pair loses its term (the
-residual stream still carries the token). No factor (or a negative one): dropless.
+The objective is ``lm loss + coeff sum_layers l_aux`` (``--moe-aux-loss-coeff``). As Megatron's
+``MoEAuxLossAutoScaler``, each layer attaches its own ``l_aux`` to its output: forward returns y
+unchanged, backward gives ``l_aux`` the gradient ``coeff x S / m`` (S the fp16 loss scale, else
+1; m micro-batches: the lm loss's own factor, which the step sets with :func:`set_aux_loss_scale`),
+so the aux loss of a layer on any pipeline stage joins that stage's backward, micro-batch by
+micro-batch. Under sequence and context parallelism each rank holds ``l_j``, its share of the
+sequence's l_aux (router.py): the router's gradient is summed over tp (sequence-parallel
+parameters) and averaged over dp x cp like every gradient, so each cp rank's share is scaled by
+cp to give ``sum_j grad l_j`` after the average (Megatron's ``forward_step`` sets the same
+``loss scale x cp / m``). The log reports ``l_aux`` per layer without the
+coefficient (Megatron's ``load_balancing_loss``).
 
-Load balancing (Switch Transformer / GShard, Megatron's ``switch_load_balancing_loss_func``)::
-
-    s_n     = softmax(logits_n)                        (E,), over all experts
-    f_i     = #{n : i in topk(s_n, k)} / (k N)         share of the routed slots expert i gets
-    P_i     = (1 / N) sum_n s_ni                       mean router probability of expert i
-    l_aux   = E sum_i f_i P_i                          1 when balanced, at most E / k
-
-A token fills k *different* experts, so f_i <= 1/k, and sum_i P_i = 1: sum_i f_i P_i <= 1/k and
-l_aux <= E / k, reached when k experts take every token (f_i = 1/k each) and one of them holds all
-the router probability. E is the bound of top-1 routing only.
-
-The objective is ``lm loss + coeff sum_layers l_aux`` (``--moe-aux-loss-coeff``); the log reports
-``l_aux`` per layer without the coefficient (Megatron's ``load_balancing_loss``). The experts of
-one layer are split over the ``ep`` ranks of an expert-parallel group (``expert_parallel.py``).
+With tp > 1 megatron-core runs MoE only with sequence parallelism (``MoELayer.forward`` refuses
+training without it): the tp ranks route different tokens, and the experts are split over the
+same tp ranks (etp = tp, ``experts.py``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from distlab.gpt.moe.expert_parallel import combine, dispatch
+from distlab.gpt.moe.experts import ExpertMLP
+from distlab.gpt.moe.router import load_balancing_loss, route
+from distlab.gpt.moe.token_dispatcher import DISPATCH, ExpertGroup
+from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tensor_parallel.layers import mark_sequence_parallel
 
 
 @dataclass
@@ -54,21 +52,37 @@ class MoEConfig:
     """Weight of the load-balancing loss in the objective (``--moe-aux-loss-coeff``)."""
     capacity_factor: float | None = None
     """c (``--moe-expert-capacity-factor``): None or negative, dropless."""
+    token_dispatcher: str = "allgather"
+    """``--moe-token-dispatcher-type``: allgather (Megatron's default) or alltoall."""
+    load_balancing_type: str = "aux_loss"
+    """``--moe-router-load-balancing-type``: aux_loss, or none (no loss, nothing logged)."""
+    grouped_gemm: bool = False
+    """``--moe-grouped-gemm``: accepted; the local experts run in a loop either way (``experts.py``)."""
+    gated_linear_unit: bool = False
+    """SwiGLU experts (``--swiglu``): fc1 H -> 2F, silu(gate) * up."""
+    add_bias_linear: bool = True
+    """Biases in the experts' fc1 and fc2 (``--disable-bias-linear`` clears it)."""
 
     def __post_init__(self) -> None:
         errors = config_errors(self.num_experts, self.topk, self.capacity_factor)
+        if self.token_dispatcher not in DISPATCH:
+            errors.append(f"token dispatcher {self.token_dispatcher!r} is not one of {sorted(DISPATCH)}")
+        if self.load_balancing_type not in ("aux_loss", "none"):
+            errors.append(f"load balancing type {self.load_balancing_type!r} is not aux_loss or none")
         if errors:
             raise ValueError("; ".join(errors))
         if self.capacity_factor is not None and self.capacity_factor < 0:
             self.capacity_factor = None  # Megatron: a negative factor means dropless
 
-    def describe(self, ep: int) -> str:
-        """The start-up line: experts, their split, routing and capacity."""
+    def describe(self, ep: int, etp: int = 1) -> str:
+        """The start-up line: experts, their split, routing, dispatcher and capacity."""
         drop = "dropless" if self.capacity_factor is None else f"capacity factor {self.capacity_factor:g}"
+        gemm = "--moe-grouped-gemm: no grouped GEMM here, " if self.grouped_gemm else ""
         return (
             f"> MoE: {self.num_experts} experts per layer, top-{self.topk} routing, expert-model-parallel "
-            f"size {ep} ({self.num_experts // ep} experts per rank), {drop}, aux loss coeff "
-            f"{self.aux_loss_coeff:g}"
+            f"size {ep} ({self.num_experts // ep} experts per rank), expert-tensor-parallel size {etp}, "
+            f"{self.token_dispatcher} token dispatcher, {gemm}a loop over the local experts, {drop}, "
+            f"{self.load_balancing_type} load balancing, aux loss coeff {self.aux_loss_coeff:g}"
         )
 
 
@@ -101,46 +115,15 @@ def placement_errors(num_experts: int, ep: int) -> list[str]:
     return []
 
 
-def route(
-    logits: torch.Tensor, topk: int, capacity_factor: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Top-k, then softmax over the k, then the capacity: logits (N, E) -> probs (N, E), zero
-    off the route; routing map (N, E) bool; number of (token, expert) pairs dropped."""
-    num_tokens, num_experts = logits.shape
-    top_logits, top = torch.topk(logits, k=topk, dim=1)  # (N, k) each
-    weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)  # (N, k)
-    probs = torch.zeros_like(logits, dtype=torch.float32).scatter(1, top, weights)  # (N, E)
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)  # (N, E)
-    if capacity_factor is None:
-        return probs, routing_map, 0
-    capacity = math.ceil(topk * num_tokens / num_experts * capacity_factor)
-    if capacity >= num_tokens:
-        return probs, routing_map, 0
-    kept = torch.topk(probs.detach(), k=capacity, dim=0).indices  # (C, E): each expert's best tokens
-    keep = torch.zeros_like(routing_map).scatter(0, kept, True) & routing_map
-    dropped = int(routing_map.sum() - keep.sum())
-    return probs * keep, keep, dropped
-
-
-def load_balancing_loss(logits: torch.Tensor, topk: int) -> torch.Tensor:
-    """``l_aux = E sum_i f_i P_i`` of logits (N, E), without its coefficient (fp32 scalar)."""
-    num_tokens, num_experts = logits.shape
-    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
-    top = torch.topk(scores, k=topk, dim=1).indices  # (N, k)
-    slots = torch.zeros_like(scores).scatter(1, top, 1.0).sum(0)  # (E,): f_i k N
-    return num_experts * (slots * scores.sum(0)).sum() / (topk * num_tokens * num_tokens)
-
-
-class ExpertMLP(nn.Module):
-    """One expert: H -> F -> GELU -> H (the dense MLP's shape)."""
-
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, ffn)
-        self.fc2 = nn.Linear(ffn, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
-        return self.fc2(F.gelu(self.fc1(x)))
+def tensor_parallel_error(tp: int, sequence_parallel: bool) -> str | None:
+    """megatron-core's rule (``MoELayer.forward``): MoE with tp > 1 trains with sequence parallelism."""
+    if tp > 1 and not sequence_parallel:
+        return (
+            f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (as in "
+            f"megatron-core: the tp ranks route different T / tp tokens, and the experts are split over "
+            f"them); add --sequence-parallel"
+        )
+    return None
 
 
 @dataclass
@@ -148,116 +131,145 @@ class RouterStats:
     """One layer's routing during the iteration so far (this rank's tokens, training forwards)."""
 
     tokens_per_expert: torch.Tensor  # (E,) int64
-    aux_loss_sum: float = 0.0  # sum of l_aux over the micro-batches
+    aux_loss_sum: float = 0.0  # sum of this rank's share l_j over the micro-batches
     micro_batches: int = 0
     dropped: int = 0
 
 
-class MoELayer(nn.Module):
-    """Router and this rank's ``E / ep`` experts, keyed by their global index (so that
-    ``model.init_parameters`` gives expert e the same weights on every layout)."""
+class _AuxLossScaler(torch.autograd.Function):
+    """Forward: y unchanged. Backward: y's gradient, and ``scale`` for the aux loss (Megatron's
+    ``MoEAuxLossAutoScaler``): the backward of ``y`` becomes that of ``y`` and ``scale x l_aux``."""
 
-    def __init__(
-        self,
-        cfg: MoEConfig,
-        hidden: int,
-        ffn: int,
-        *,
-        ep_group: dist.ProcessGroup | None,
-        ep: int,
-        ep_rank: int,
-    ) -> None:
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+class MoELayer(nn.Module):
+    """Router and this rank's ``E / ep`` experts (their etp shards), keyed by their global index
+    (so that ``model.init_parameters`` gives expert e the same weights on every layout)."""
+
+    def __init__(self, cfg: MoEConfig, hidden: int, ffn: int, state: ParallelState | None = None) -> None:
         super().__init__()
+        ep, ep_rank = (state.ep, state.ep_rank) if state is not None else (1, 0)
+        tp, tp_rank = (state.tp, state.tp_rank) if state is not None else (1, 0)
+        sp = state is not None and state.layout.sequence_parallel
         errors = placement_errors(cfg.num_experts, ep)
+        if error := tensor_parallel_error(tp, sp):
+            errors.append(error)
         if errors:
             raise ValueError("; ".join(errors))
-        self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
+        self.cfg = cfg
+        group = state.tp_ep_group if ep * tp > 1 else None
+        self.where = ExpertGroup(cfg.num_experts, ep, ep_rank, tp, group)
+        #: The ranks holding the other tokens of this rank's sequences: tp (sequence parallelism), cp.
+        self.token_groups = tuple(
+            g for g, size in ((state.tp_group, tp), (state.cp_group, state.cp)) if size > 1
+        ) if state is not None else ()  # fmt: skip
+        self.cp = state.cp if state is not None else 1
         self.router = nn.Linear(hidden, cfg.num_experts, bias=False)  # W_r: (E, H)
-        local = cfg.num_experts // ep
+        if sp:
+            mark_sequence_parallel(self.router.weight)  # each tp rank routes its own T / tp tokens
+        local = self.where.local
         self.experts = nn.ModuleDict(
-            {str(e): ExpertMLP(hidden, ffn) for e in range(ep_rank * local, (ep_rank + 1) * local)}
-        )
+            {
+                str(e): ExpertMLP(hidden, ffn, etp=tp, etp_rank=tp_rank, gated=cfg.gated_linear_unit,
+                                  bias=cfg.add_bias_linear)
+                for e in range(local.start, local.stop)
+            }
+        )  # fmt: skip
         for p in self.experts.parameters():
             p.expert_parallel = True  # gradients summed over the expert-data-parallel group, / (dp x cp)
-        self.aux_loss: torch.Tensor | None = None  # l_aux of the last training forward, for the model
+        self.aux_loss_scale = 1.0  # S / m, set by the step (:func:`set_aux_loss_scale`)
+        self.aux_loss: torch.Tensor | None = None  # l_j of the last training forward
         self.stats = RouterStats(torch.zeros(cfg.num_experts, dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, T, H = x.shape
+        b, T, H = x.shape  # T: this rank's positions (T / tp with SP, T / cp with CP)
         tokens = x.reshape(b * T, H)  # (N, H)
         logits = self.router(tokens)  # (N, E)
         probs, routing_map, dropped = route(logits, self.cfg.topk, self.cfg.capacity_factor)
+        self.aux_loss = None
         if self.training and torch.is_grad_enabled():
-            self.aux_loss = load_balancing_loss(logits, self.cfg.topk)
+            if self.cfg.load_balancing_type == "aux_loss":
+                self.aux_loss = load_balancing_loss(logits, self.cfg.topk, self.token_groups)
             s = self.stats
             s.tokens_per_expert += routing_map.sum(0).cpu()
-            s.aux_loss_sum += float(self.aux_loss.detach())
+            s.aux_loss_sum += 0.0 if self.aux_loss is None else float(self.aux_loss.detach())
             s.micro_batches += 1
             s.dropped += dropped
-        inputs, plan = dispatch(
-            tokens, probs, routing_map, group=self.ep_group, ep=self.ep
-        )  # E/ep x (n_j, H)
+        dispatch, combine = DISPATCH[self.cfg.token_dispatcher]
+        inputs, plan = dispatch(tokens, probs, routing_map, self.where)  # E / ep x (n_j, H)
         outputs = [expert(chunk) for expert, chunk in zip(self.experts.values(), inputs, strict=True)]
-        return combine(outputs, plan).view(b, T, H)
+        y = combine(outputs, plan, self.where).view(b, T, H)
+        if self.aux_loss is not None and self.cfg.aux_loss_coeff:
+            y = _AuxLossScaler.apply(
+                y, self.aux_loss, self.cfg.aux_loss_coeff * self.cp * self.aux_loss_scale
+            )
+        return y
 
 
-class _AttachAuxLoss(torch.autograd.Function):
-    """Forward: the per-token loss (b, T) unchanged (the logged lm loss). Backward: the aux loss
-    receives the sum of the gradient reaching the per-token loss, which is the gradient reaching
-    ``loss.mean()``: the backward of ``mean(loss)`` becomes that of ``mean(loss) + aux``, scaled
-    by whatever scales the lm loss (``S / m``)."""
-
-    @staticmethod
-    def forward(ctx, loss: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        return loss.view_as(loss)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, grad.sum()
+def moe_layers(model: nn.Module) -> list[tuple[int, MoELayer]]:
+    """This rank's MoE layers with their global block index (from the name ``layers.<i>.mlp``)."""
+    return [(int(name.split(".")[-2]), m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
 
 
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """The factor of the lm loss's backward this step (``S / m``), given to the aux losses too."""
+    for _, layer in moe_layers(model):
+        layer.aux_loss_scale = scale
 
 
-def attach_aux_loss(loss: torch.Tensor, model: nn.Module, coeff: float) -> torch.Tensor:
-    """The per-token loss with ``coeff sum_layers l_aux`` of this forward attached for backward
-    (the caller reduces it with ``.mean()``); takes the layers' aux losses."""
-    auxes = []
-    for layer in moe_layers(model):
-        if layer.aux_loss is not None:
-            auxes.append(layer.aux_loss)
-        layer.aux_loss = None
-    if not auxes or coeff == 0:
-        return loss
-    return _AttachAuxLoss.apply(loss, coeff * torch.stack(auxes).sum())
-
-
-def take_stats(model: nn.Module, group: dist.ProcessGroup | None) -> list[dict]:
-    """Every MoE layer's routing since the last call, summed over ``group`` (the data-parallel
-    ranks; collective when given), then reset: ``tokens_per_expert`` (list of E ints), mean
-    ``load_balancing_loss`` over micro-batches and ranks, ``dropped`` pairs."""
+def take_stats(model: nn.Module, state: ParallelState | None = None) -> list[dict]:
+    """Every MoE layer's routing since the last call, then reset. With ``state`` (collective on
+    every rank): summed over the ranks holding other tokens (dp x cp, and tp with sequence
+    parallelism) and gathered over the pipeline stages, in block order: ``layer`` (global
+    index), ``tokens_per_expert`` (list of E ints), mean ``load_balancing_loss`` over
+    micro-batches and ranks (the shares l_j of one micro-batch's sequences add up to its l_aux),
+    ``dropped`` pairs."""
     layers = moe_layers(model)
     if not layers:
         return []
     rows = [
         torch.cat([s.tokens_per_expert.double(), torch.tensor([s.aux_loss_sum, s.micro_batches, s.dropped])])
-        for s in (layer.stats for layer in layers)
+        for s in (layer.stats for _, layer in layers)
     ]
     table = torch.stack(rows)  # (layers, E + 3), float64: exact for counts below 2^53
-    if group is not None:
-        device = next(model.parameters()).device if dist.get_backend(group) == "nccl" else "cpu"
-        on = table.to(device)
-        dist.all_reduce(on, group=group)
-        table = on.cpu()
-    for layer in layers:
+    index = torch.tensor([[float(i)] for i, _ in layers], dtype=torch.float64)  # (layers, 1)
+    for _, layer in layers:
         layer.stats = RouterStats(torch.zeros_like(layer.stats.tokens_per_expert))
-    E = layers[0].cfg.num_experts
+    E = layers[0][1].cfg.num_experts
+    if state is not None:
+        sp = state.tp if state.layout.sequence_parallel else 1
+        device = (
+            next(model.parameters()).device
+            if dist.is_initialized() and dist.get_backend() == "nccl"
+            else "cpu"
+        )
+        table = torch.cat([table, index], dim=1).to(device)
+        for group, size in ((state.dp_cp_group, state.dp * state.cp), (state.tp_group, sp)):
+            if size > 1:
+                summed = table[:, :-1].clone()
+                dist.all_reduce(summed, group=group)
+                table[:, :-1] = summed
+        table[:, E + 1] /= state.cp * sp  # each micro-batch counted once, not once per token shard
+        if state.pp > 1:  # every stage has L / pp layers: equal shapes
+            parts = [torch.empty_like(table) for _ in range(state.pp)]
+            dist.all_gather(parts, table.contiguous(), group=state.pp_group)
+            table = torch.cat(parts)
+        table, index = table[:, :-1].cpu(), table[:, -1].cpu()
+    order = index.flatten().argsort()
     return [
         {
-            "tokens_per_expert": [int(c) for c in row[:E]],
-            "load_balancing_loss": float(row[E] / max(1.0, float(row[E + 1]))),
-            "dropped": int(row[E + 2]),
+            "layer": int(index.flatten()[i]),
+            "tokens_per_expert": [int(c) for c in table[i, :E]],
+            "load_balancing_loss": float(table[i, E] / max(1.0, float(table[i, E + 1]))),
+            "dropped": int(table[i, E + 2]),
         }
-        for row in table
+        for i in order.tolist()
     ]

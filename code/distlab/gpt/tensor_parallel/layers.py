@@ -55,6 +55,15 @@ def shard(full: torch.Tensor, dim: int, p: int, r: int, stride: int = 1) -> torc
     return blocks.chunk(p, dim=dim + 1)[r].flatten(dim, dim + 1)  # (..., N/p, ...)
 
 
+def unshard(pieces: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The inverse of :func:`shard`: the p ranks' parts, in rank order, back into the full tensor.
+    (N / p along dim) x p -> (N along dim)."""
+    blocks = [
+        x.unflatten(dim, (stride, x.shape[dim] // stride)) for x in pieces
+    ]  # (..., stride, N/(p stride), ...)
+    return torch.cat(blocks, dim=dim + 1).flatten(dim, dim + 1)  # (..., N, ...)
+
+
 def _mark_partitioned(param: nn.Parameter, dim: int, stride: int = 1) -> None:
     """Tag a sharded parameter as Megatron does: which dimension is split (read by the initialiser
     and by the gradient norm, which counts a replicated parameter once)."""

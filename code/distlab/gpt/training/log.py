@@ -41,9 +41,12 @@ def iteration_line(
     tokens_per_s: float,
     tflops_per_device: float,
     mfu: float | None,
+    throughput: float | None = None,
 ) -> str:
-    """Megatron's training log line, then throughput fields: ``distlab.logs.formats.ITERATION``."""
+    """Megatron's training log line, then throughput fields: ``distlab.logs.formats.ITERATION``
+    (``throughput``: Megatron's --log-throughput field, model TFLOP/s per device)."""
     return ITERATION.format(
+        throughput=throughput,
         it=iteration,
         total=train_iters,
         samples=consumed_samples,
@@ -303,6 +306,7 @@ class TrainingLog:
             tokens_per_s=self._batch * a.seq_length / iter_s,
             tflops_per_device=tflops,
             mfu=tflops / self.peak if self.peak else None,
+            throughput=tflops if a.log_throughput else None,
         )
 
 
@@ -324,6 +328,11 @@ class StepProfiler:
             args.tensorboard_dir or os.path.join("runs", "tensorboard"), args.profile_name
         )
         self.prof = None
+        # Megatron's --profile without --use-pytorch-profiler: nsys' capture range, CUDA only
+        nsys = args.profile and not args.use_pytorch_profiler and torch.cuda.is_available()
+        nsys = nsys and rank in profile_ranks(args)
+        self.nsys_range = (args.profile_step_start, args.profile_step_end) if nsys else None
+        self.iteration = first_iteration - 1  # iterations done
         if not args.profile_execution or rank not in profile_ranks(args):
             return
         self.end = args.profile_step_end
@@ -363,7 +372,12 @@ class StepProfiler:
         )
 
     def step(self) -> None:
-        """End of an iteration: the profiler moves to the next one; after ``end``, the trace is written."""
+        """End of an iteration: the profiler moves to the next one; after ``end``, the trace is written.
+        With ``--profile`` (nsys) on CUDA: cudaProfilerStart after iteration ``start``, Stop after ``end``."""
+        self.iteration += 1
+        if self.nsys_range is not None and self.iteration in self.nsys_range:
+            cudart = torch.cuda.cudart()
+            (cudart.cudaProfilerStart if self.iteration == self.nsys_range[0] else cudart.cudaProfilerStop)()
         if self.prof is None:
             return
         self.prof.step()

@@ -41,6 +41,7 @@ from distlab.gpt.interfaces import (
     StepResult,
     mean_backward,
 )
+from distlab.gpt.moe.moe_layer import set_aux_loss_scale
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.optimizer.optimizer import step_unless
 from distlab.gpt.parallel_state import ParallelState
@@ -122,12 +123,17 @@ class LocalBackend:
         scaler: DynamicLossScaler | None = None,
         overlap_grad_reduce: bool = False,
         bucket_size: int | None = None,  # elements, --ddp-bucket-size (default Megatron's)
+        reduce_dtype: torch.dtype | None = None,  # --grad-reduce-in-bf16: the buckets' all-reduce dtype
     ) -> None:
         self.module, self.optimizer, self.state = model, optimizer, state
         self.clip_grad, self.scaler = clip_grad, scaler
         size = bucket_size if bucket_size is not None else default_bucket_size(state.dp * state.cp)
         self.grad_buckets = GradBuckets(
-            list(model.parameters()), state, bucket_size=size, overlap=overlap_grad_reduce
+            list(model.parameters()),
+            state,
+            bucket_size=size,
+            overlap=overlap_grad_reduce,
+            reduce_dtype=reduce_dtype,
         )
 
     def zero_grad(self) -> None:
@@ -173,8 +179,12 @@ def train_step(
 ) -> StepResult:
     """The one step loop: zero grads, forward/backward every micro-batch through the back end's
     hook, the mean loss over the data-parallel ranks, the back end's optimizer step. Without
-    ``--fp16`` nothing is read from the device (the result's scalars stay there)."""
+    ``--fp16`` nothing is read from the device (the result's scalars stay there). The MoE
+    layers' aux losses get the lm loss's backward factor ``S / m`` (Megatron's
+    ``MoEAuxLossAutoScaler.set_loss_scale`` in its forward step)."""
     backend.zero_grad()
+    scaler = getattr(backend, "scaler", None)  # LocalBackend's (fp16); other back ends have no MoE
+    set_aux_loss_scale(backend.module, (scaler.scale if scaler is not None else 1.0) / len(batches))
     loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
     loss = reduce_loss(loss, state)
     outcome = backend.step()

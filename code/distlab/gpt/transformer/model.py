@@ -29,9 +29,9 @@ initialiser makes it equal to the first stage's E (same name, same seed), and ``
 sums the two gradients, so they stay equal.
 
 Mixture of experts (``moe/moe_layer.py``, ``moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
-becomes a router and E experts, split over the ep ranks of the layout's expert groups; the last
-stage attaches ``coeff sum_layers l_aux`` to the per-token loss for backward (the returned values
-stay the lm loss).
+becomes a router and E experts, split over the ep ranks of the layout's expert groups (and over
+tp, etp = tp); each layer attaches its ``coeff l_aux`` to its output for backward (the returned
+values stay the lm loss).
 
 Context parallelism (``context_parallel/ring_attention.py``): with cp > 1 each rank holds T / cp tokens of
 every sample (two of 2 cp chunks, their global positions from ``context_parallel.positions``)
@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,7 @@ from torch import nn
 
 from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_attention, ring_of
 from distlab.gpt.layout import context_dropout_error, raise_errors, sequence_parallel_error
-from distlab.gpt.moe.moe_layer import MoEConfig, MoELayer, attach_aux_loss
+from distlab.gpt.moe.moe_layer import MoEConfig, MoELayer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -86,6 +87,9 @@ from distlab.gpt.transformer.recompute import (
     checkpoint_groups,
     recompute_errors,
 )
+
+if TYPE_CHECKING:  # the cache lives in inference/, above this layer: the model only calls it
+    from distlab.gpt.inference.kv_cache import KVCache, LayerCache
 
 
 @dataclass
@@ -119,7 +123,7 @@ class GPTConfig:
     seed: int = 1234
     layernorm_epsilon: float = 1e-5
     moe: MoEConfig | None = None
-    """None: dense MLPs; else every block's MLP is a mixture of experts (tp = pp = 1)."""
+    """None: dense MLPs; else every block's MLP is a mixture of experts."""
     sequence_parallel: bool = False
     """``--sequence-parallel``: activations outside the tp GEMMs split along T (needs tp > 1)."""
 
@@ -166,13 +170,15 @@ class SelfAttention(nn.Module):
         )
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, group=group, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         # x: (b, T, H) replicated over the tp ranks, or (b, T/tp, H) with sequence parallelism
         qkv = self.qkv(x)  # f (or all-gather along T), then (b, T, 3H/tp)
         b, T, _ = qkv.shape
         # n/tp heads: as many as the output holds (DTensor's ColwiseParallel shards an unsharded layer)
         q, k, v = qkv.view(b, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        if self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
+        if cache is not None:  # generation: the T new queries against every key so far
+            y = cached_attention(q, *cache.update(k, v))  # keys, values: (b, n/tp, P + T, H/n)
+        elif self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
             y = checkpoint(self.core_attention, q, k, v)  # replays both random streams
         else:
             y = self.core_attention(q, k, v)
@@ -221,9 +227,7 @@ class Block(nn.Module):
         if cfg.moe is None:
             self.mlp = MLP(cfg, group)
         else:  # the experts of this rank's place in its expert-parallel group
-            ep, ep_rank = (state.ep, state.ep_rank) if state is not None else (1, 0)
-            ep_group = state.ep_group if ep > 1 else None
-            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, ep_group=ep_group, ep=ep, ep_rank=ep_rank)
+            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, state)
         self.drop = nn.Dropout(cfg.hidden_dropout)
         self.dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
         #: The residual stream is this rank's T / tp positions (SP, this engine's or DTensor's,
@@ -235,9 +239,10 @@ class Block(nn.Module):
             for p in (*self.ln1.parameters(), *self.ln2.parameters()):
                 mark_sequence_parallel(p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, T, H) -> (b, T, H); T/tp with SP
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        # (b, T, H) -> (b, T, H); T/tp with SP
         with fork_if(self.sequence_parallel and self.dropout and self.training):
-            x = x + self.drop(self.attn(self.ln1(x)))
+            x = x + self.drop(self.attn(self.ln1(x), cache))
             return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -312,17 +317,24 @@ class GPTModel(nn.Module):
         return self.output_embedding()
 
     def forward(
-        self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None, chunk: int = 0
+        self,
+        tokens: torch.Tensor | None,
+        labels: torch.Tensor | None = None,
+        chunk: int = 0,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """tokens (b, T) -> per-token loss (b, T) if labels are given on the last (virtual) stage,
         logits (b, T, V) without labels, hidden states (b, T, H) on other stages and chunks (T: this
-        rank's T / cp tokens with context parallelism; T / tp outside the GEMMs with SP)."""
+        rank's T / cp tokens with context parallelism; T / tp outside the GEMMs with SP). With a
+        ``cache`` (generation, one whole model: ``distlab.gpt.inference.kv_cache``) the tokens sit
+        at positions ``cache.length`` on, and every block appends its keys and values to it."""
         if self.is_first and chunk == 0:
             h = self.wte(tokens)  # (b, T, H), or this rank's (b, T/tp, H) with SP
             if self.ring is not None:  # CP: this rank's two chunks of the sequence
                 pos = positions(tokens.shape[1], self.ring, tokens.device)
             else:
                 first = self.sp_rank * h.shape[1]  # SP: my positions start at tp_rank x T/tp
+                first += cache.length if cache is not None else 0  # after the cached tokens
                 pos = torch.arange(first, first + h.shape[1], device=tokens.device)
             # SP: this rank's T/tp positions, from the model-parallel stream (Megatron drops out
             # after the scatter); else (b, T, H), alike on the tp ranks, from the default stream
@@ -336,7 +348,7 @@ class GPTModel(nn.Module):
             if checkpointed and self.training:
                 h = checkpoint(_run_blocks, blocks[first:end], h)  # replays both random streams
             else:
-                h = _run_blocks(blocks[first:end], h)
+                h = _run_blocks(blocks[first:end], h, cache)
         if not (self.is_last and chunk == self.chunks - 1):
             return h
         logits = parallel_lm_logits(  # (b, T, V/tp): all-gathered along T first with SP
@@ -344,16 +356,21 @@ class GPTModel(nn.Module):
         )
         if labels is None:
             return gather_from_tensor_parallel(logits, self.tp_group)  # (b, T, V)
-        loss = vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
-        if self.cfg.moe is not None:
-            loss = attach_aux_loss(loss, self, self.cfg.moe.aux_loss_coeff)
-        return loss
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
 
 
-def _run_blocks(blocks: list[Block], h: torch.Tensor) -> torch.Tensor:
+def _run_blocks(blocks: list[Block], h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
     for block in blocks:
-        h = block(h)  # (b, T, H)
+        h = block(h, cache.layer(block) if cache is not None else None)  # (b, T, H)
     return h
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + M) V for the last T of P + T positions: q (b, n, T, d), k and v
+    (b, n, P + T, d) -> (b, n, T, d); query i sees keys 0 .. P + i (M: -inf elsewhere)."""
+    T, S = q.shape[-2], k.shape[-2]
+    sees = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, P + T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sees)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

@@ -1,0 +1,140 @@
+"""Convert checkpoints between the course and Hugging Face transformers.
+
+Course -> transformers (a folder ``AutoModelForCausalLM.from_pretrained`` loads as
+``GPT2LMHeadModel``, with the tokenizer ``AutoTokenizer`` loads; from any ``pretrain_gpt.py --save``
+folder, either ``--ckpt-format``, any layout)::
+
+    python code/convert_checkpoint.py --to hf --load runs/gpt/ckpt --save runs/gpt/hf
+    python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('runs/gpt/hf')"
+
+transformers -> course (a ``model.safetensors`` folder; a release checkpoint, model only, for the
+layout the run that continues it uses; its tokenizer files are copied beside it)::
+
+    python code/convert_checkpoint.py --from hf --load runs/gpt/hf --save runs/gpt/from_hf \\
+        --target-tensor-parallel-size 2
+    torchrun --standalone --nproc-per-node=2 code/pretrain_gpt.py $ARGS --tensor-model-parallel-size 2 \\
+        --load runs/gpt/from_hf --save runs/gpt/ckpt2 \\
+        --vocab-file runs/gpt/from_hf/vocab.json --merge-file runs/gpt/from_hf/merges.txt
+
+The run that loads it gives the same model shape (printed here) and starts at iteration 0 with a
+fresh optimizer. The weight-by-weight mapping is in ``distlab/gpt/inference/gpt2.py``; the
+vocabulary padding in ``distlab/gpt/inference/hf_checkpoint.py``. Bad input (a folder that is no
+checkpoint, a model the converter does not know, a configuration that does not match the weights,
+a tokenizer that does not fit the vocabulary) is refused before any weight is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.data.tokenizer import GPT2BPETokenizer
+from distlab.gpt.inference import course_checkpoint, hf_checkpoint
+from distlab.gpt.inference.architecture import ConversionError
+from distlab.gpt.tensor_parallel.layers import pad_vocab_size
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--load", required=True, help="the checkpoint folder to read")
+    p.add_argument("--save", required=True, help="the folder to write")
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=["hf"], help="course checkpoint -> transformers folder")
+    way.add_argument("--from", dest="source", choices=["hf"], help="transformers folder -> course checkpoint")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1, help="--from hf: the run's tp")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="--from hf: the run's pp")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="--from hf: the run's")
+    p.add_argument("--vocab-file", help="vocab.json (default: the checkpoint's own)")
+    p.add_argument("--merge-file", help="merges.txt (default: the checkpoint's own)")
+    return p.parse_args(argv)
+
+
+def to_hf(opts: argparse.Namespace) -> str:
+    ckpt = course_checkpoint.inspect(opts.load)
+    spec = course_checkpoint.tokenizer_spec(ckpt.args, opts.vocab_file, opts.merge_file)
+    model = course_checkpoint.read_model(ckpt)
+    files = hf_checkpoint.write(opts.save, ckpt.arch, ckpt.config, ckpt.args, model.state_dict(), spec)
+    return (
+        f"> {ckpt.arch.name} from {ckpt.folder} ({ckpt.ckpt_format}, tp {ckpt.args.tensor_model_parallel_size}"
+        f" x pp {ckpt.args.pipeline_model_parallel_size}) -> {opts.save} ({ckpt.arch.hf_class}, vocab_size "
+        f"{ckpt.config.vocab_size}"
+        + (", with its tokenizer)" if files else f", no tokenizer files: {_why_none(spec)})")
+    )
+
+
+def _why_none(spec) -> str:
+    if spec is None:
+        return "the run's are gone (give --vocab-file, --merge-file)"
+    return f"--tokenizer-type {spec.tokenizer_type} is not converted, only GPT2BPETokenizer"
+
+
+def from_hf(opts: argparse.Namespace) -> str:
+    given = (opts.vocab_file, opts.merge_file) if opts.vocab_file or opts.merge_file else None
+    hf = hf_checkpoint.inspect(opts.load, given)
+    tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
+    rows, shape = hf.config["vocab_size"], hf.course_args
+    vocab = target_vocabulary(hf, opts.make_vocab_size_divisible_by, tp)
+    check_layout(shape, tp, pp)
+    files = {}
+    if hf.tokenizer_files:  # beside the checkpoint: the arguments it saves name them
+        os.makedirs(opts.save, exist_ok=True)
+        vocab_file, merge_file = hf_checkpoint.copy_tokenizer(hf.tokenizer_files, opts.save)
+        files = {"vocab_file": vocab_file, "merge_file": merge_file}
+    args = PretrainArgs(**shape, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                        make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by, **files)  # fmt: skip
+    cfg = hf.arch.course_config(args, vocab)
+    weights = hf_checkpoint.read_weights(hf)
+    weights["transformer.wte.weight"] = hf_checkpoint.fit_vocabulary(weights["transformer.wte.weight"], vocab)
+    folder = course_checkpoint.write_release(opts.save, args, cfg, hf.arch.from_hf(weights, cfg))
+    flags = " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in shape.items() if "dropout" not in k and v is not None
+    )
+    return (
+        f"> {hf.arch.hf_class} from {opts.load} -> {folder} (release, tp {tp} x pp {pp}, padded vocabulary "
+        f"{vocab} from {rows} rows)\n> continue it with: pretrain_gpt.py --load {opts.save} {flags} "
+        f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
+    )
+
+
+def target_vocabulary(hf: hf_checkpoint.HFCheckpoint, divisible_by: int, tp: int) -> int:
+    """V of the run that loads the conversion: the tokenizer's size padded as that run pads it."""
+    rows = hf.config["vocab_size"]
+    tokens = GPT2BPETokenizer(*hf.tokenizer_files).vocab_size if hf.tokenizer_files else None
+    vocab = pad_vocab_size(tokens or rows, divisible_by, tp)
+    if tokens is None and vocab != rows:
+        raise ConversionError(
+            f"{hf.folder} has no vocab.json/merges.txt and its {rows} rows are no multiple of "
+            f"--make-vocab-size-divisible-by {divisible_by} x tp {tp}: give the tokenizer (--vocab-file, "
+            f"--merge-file)"
+        )
+    return vocab
+
+
+def check_layout(shape: dict, tp: int, pp: int) -> None:
+    """Heads and MLP width split over tp, layers over pp."""
+    ffn = shape["ffn_hidden_size"] or 4 * shape["hidden_size"]
+    sizes = (("heads", shape["num_attention_heads"], tp, "tensor"), ("ffn", ffn, tp, "tensor"),
+             ("layers", shape["num_layers"], pp, "pipeline"))  # fmt: skip
+    errors = [
+        f"{what} {n} not divisible by --target-{kind}-parallel-size {p}"
+        for what, n, p, kind in sizes
+        if n % p
+    ]
+    if errors:
+        raise ConversionError("; ".join(errors))
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse(argv)
+    try:
+        print(to_hf(opts) if opts.to else from_hf(opts))
+    except ConversionError as exc:
+        print(f"convert_checkpoint.py: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

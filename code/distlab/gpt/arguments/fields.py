@@ -1,0 +1,12 @@
+"""One flag as a dataclass field: its default and its argparse metadata (``help``, ``choices``,
+``nargs``...; ``flag=`` spells the flag when it is not ``--`` + the field's name with dashes,
+``action="store_false"`` makes a ``--no-*`` switch of a field that defaults to True, ``tf=True``
+a boolean given as ``True|False``)."""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+
+def _f(default, help: str, **kw):  # noqa: A002 - argparse's own word
+    return field(default=default, metadata={"help": help, **kw})

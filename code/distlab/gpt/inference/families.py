@@ -1,0 +1,51 @@
+"""The model families the converter and ``generate.py`` know, one small module each:
+
+    gpt2.py     the course GPT (learned positions, LayerNorm, GeLU, tied output) <-> GPT2LMHeadModel
+
+A new family is a module that fills an :class:`~distlab.gpt.inference.architecture.Architecture`,
+and one entry in :data:`KNOWN`.
+"""
+
+from __future__ import annotations
+
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.inference.architecture import Architecture, ConversionError
+from distlab.gpt.inference.gpt2 import GPT2
+
+KNOWN: tuple[Architecture, ...] = (GPT2,)
+
+
+def for_args(args: PretrainArgs) -> Architecture:
+    """The family a course run built, or :class:`ConversionError`."""
+    for arch in KNOWN:
+        if arch.matches(args):
+            return arch
+    raise ConversionError(
+        f"no converter knows this course model (--num-experts {args.num_experts}): the converter "
+        f"knows {[a.name for a in KNOWN]}"
+    )
+
+
+def for_hf(config: dict, where: str) -> Architecture:
+    """The family of a transformers ``config.json`` (its ``model_type`` and ``architectures``)."""
+    model_type, classes = config.get("model_type"), config.get("architectures") or []
+    for arch in KNOWN:
+        if model_type == arch.model_type:
+            if classes and arch.hf_class not in classes:
+                raise ConversionError(
+                    f"{where}: architectures {classes} has no {arch.hf_class}: the converter reads "
+                    f"{arch.hf_class} for model_type {model_type!r}"
+                )
+            return arch
+    from transformers import CONFIG_MAPPING  # model_type -> config class, for every model it has
+
+    known_types = [a.model_type for a in KNOWN]
+    if model_type not in CONFIG_MAPPING:
+        raise ConversionError(
+            f"{where}: model_type {model_type!r} is not an architecture transformers has; "
+            f"the converter reads model_type {known_types}"
+        )
+    raise ConversionError(
+        f"{where}: model_type {model_type!r} ({classes}) is a transformers architecture the converter "
+        f"does not know; it reads model_type {known_types}"
+    )
