@@ -190,9 +190,12 @@ def test_estimate_of_interleaving(p: int, v: int, m: int) -> None:
     v m chunk-forwards fit in the warm-up (p = 4, m = 4: all 8 then)."""
     plain = setup(num_layers=16, pp=p, num_micro_batches=m)
     inter = setup(num_layers=16, pp=p, vp=v, num_micro_batches=m)
-    ratio = activation_bytes(inter) / activation_bytes(plain)  # per stage-activation of 1F1B's p
+    kept = {c: chunks_in_flight(c) * chunk_layers_bytes(c) for c in (plain, inter)}  # in flight
+    ratio = kept[inter] / kept[plain]  # per stage-activation of 1F1B's p
     expected = min(p * (1 + (p - 1) / (p * v)), m) / min(p, m)
     assert ratio == pytest.approx(expected)
+    # the peak adds what the last block's backward holds beyond what it kept: alike in both
+    assert activation_bytes(inter) - kept[inter] == pytest.approx(activation_bytes(plain) - kept[plain])
     assert chunk_layers_bytes(inter) * v == pytest.approx(stage_layers_bytes(plain))
     assert estimate(inter).parameters == estimate(plain).parameters  # the same L / pp layers
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 4 x 4 virtual stages per rank = 16"):
