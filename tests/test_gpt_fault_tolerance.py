@@ -9,14 +9,17 @@ with SIGSTOP. The checks:
   run exits 0 and says so; resumed with ``--load``, it ends with the uninterrupted run's losses;
 * torchrun signalled (``--signals-to-handle ...,SIGUSR1``): it forwards the signal, the workers save
   and end, and the checkpoint resumes to the same losses (torchrun itself ends with 1);
-* a rank stopped: the other waits ``--distributed-timeout-minutes`` in its collective, then names
-  the stopped rank (``monitored_barrier``) and fails, instead of hanging for PyTorch's 30 minutes.
+* a rank stopped (rank 0 or another, TP 2 x PP 2): the others wait ``--distributed-timeout-minutes``
+  in their collectives, dump their flight records, name the stopped rank and the collective it did
+  not join, and fail, instead of hanging for PyTorch's 30 minutes; ``torchfrtrace`` reads the dumps.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -172,35 +175,65 @@ def test_sigusr1_to_torchrun_is_forwarded_and_the_run_resumes(data, uninterrupte
     resume_and_compare(tmp_path, data, ckpt, stop["iteration"], uninterrupted)
 
 
-def test_a_stopped_rank_is_named_after_the_timeout(data, tmp_path):
-    """Rank 1 stops itself (SIGSTOP) after iteration 3; rank 0 waits 6 s in the gradient all-reduce
-    (a data-parallel group's, which must get the flag's timeout too), then names rank 1 and fails."""
-    worker, pid_file = tmp_path / "worker.py", tmp_path / "stopped.pid"
+@pytest.mark.parametrize("frozen", [0, 3])
+def test_a_stopped_rank_and_its_collective_are_named_after_the_timeout(data, tmp_path, frozen):
+    """TP 2 x PP 2: one rank stops itself (SIGSTOP) after iteration 3, rank 0 included (it serves
+    the rendezvous store, and ``monitored_barrier`` cannot name it). Every other rank waits 6 s in its
+    collective, dumps its flight record and, within the timeout + 30 s, names the stopped rank,
+    the collective it did not join and its node, then fails. PyTorch's own analyzer reads the dumps."""
+    worker, pid_file, dumps = tmp_path / "worker.py", tmp_path / "stopped.pid", tmp_path / "fr"
     worker.write_text(WORKER)
-    port, argv = free_port(), [*TINY, *data, "--distributed-timeout-minutes", "0.1", "--train-iters", "200"]
-    act = dict(ACT_RANK="1", ACT_AT="3", ACT="stop", ACT_FILE=str(pid_file))
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    argv = [*TINY, *data, *layout, "--distributed-timeout-minutes", "0.1", "--train-iters", "200"]
+    act = dict(ACT_RANK=str(frozen), ACT_AT="3", ACT="stop", ACT_FILE=str(pid_file))
+    env = clean_env(**act, TORCH_FR_DUMP_TEMP_FILE=str(dumps / "rank_"))
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker), PRETRAIN, *argv],
-            env={**clean_env(**act), **torchrun_env(rank, 2, port)},
+            env={**env, **torchrun_env(rank, 4, port)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in (0, 1)
+        for rank in range(4)
     ]
+    logs = {}
     try:
-        log, _ = procs[0].communicate(timeout=80)
-        started_waiting = pid_file.stat().st_mtime
-        waited = time.time() - started_waiting
+        for rank in sorted(set(range(4)) - {frozen}):
+            logs[rank], _ = procs[rank].communicate(timeout=100)
+        waited = time.time() - pid_file.stat().st_mtime
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert procs[0].returncode != 0
-    assert "Timed out waiting 6000ms" in log, log[-4000:]
-    assert HANG.parse(log) == [{"iteration": 4, "timeout_s": 6.0, "ranks": "1"}], log[-4000:]
-    assert 6 <= waited < 40, f"rank 0 ended {waited:.0f} s after rank 1 stopped"
+    for rank, log in logs.items():
+        assert procs[rank].returncode != 0, log[-3000:]
+        assert "Timed out waiting 6000ms" in log, log[-4000:]
+        assert HANG.parse(log) == [{"iteration": 4, "timeout_s": 6.0, "ranks": str(frozen)}], log[-4000:]
+        assert (
+            f"rank {frozen} on {socket.gethostname()} (pid {pid_file.read_text()}): wrote no flight record"
+            in log
+        )
+    report = "".join(logs.values())
+    missed = re.findall(
+        rf"> hang: ranks \[{frozen}\] did not join (.+?) of group \S+ \((\w+)\) \[([\d, ]+)\]", report
+    )
+    assert missed and all(str(frozen) in members.split(", ") for *_, members in missed), report[-4000:]
+    assert 6 <= waited < 6 + 30, f"the survivors ended {waited:.0f} s after rank {frozen} stopped"
+    analyzer = subprocess.run(
+        [str(Path(sys.executable).with_name("torchfrtrace")), str(dumps)], capture_output=True, text=True
+    )
+    assert f"Missing dump files from ranks {{{frozen}}}" in analyzer.stderr, analyzer.stderr[-3000:]
+    diagnosis = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "code" / "diagnose_hang.py"), str(dumps)],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        f"3 of 4 ranks wrote a flight record in {dumps}; no record from ranks [{frozen}]" in diagnosis.stdout
+    )
+    assert f"> hang: ranks [{frozen}] did not join" in diagnosis.stdout, diagnosis.stdout + diagnosis.stderr
 
 
 # --- reading a restarted run's log (distlab.logs.restarts) and the checkpoint interval (distlab.faults) ---

@@ -16,11 +16,11 @@ from distlab.gpt.memory.memory_estimate import (
     estimate,
     format_prediction,
     korthikanti_layer_bytes,
-    num_parameters,
     stage_layers_bytes,
     stage_parameters,
 )
 from distlab.gpt.memory.meters import cpu_peak_since, reset_cpu_peak
+from distlab.gpt.memory.parameters import num_parameters
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
 SBH = 128 * 4 * 64  # s=128, b=4, h=64: 32,768 values

@@ -7,9 +7,13 @@ and signals it, or every process of the job on the node (a node lost)::
     srun --jobid=J --overlap -N2 --ntasks-per-node=1 python -m distlab.fault_agent signal --rank 3 \\
         --signal KILL --after-iteration 80 --log jobs/x.out
     srun --jobid=J --overlap -N1 --nodelist=node2 python -m distlab.fault_agent kill-node --signal KILL
+    srun --jobid=J --overlap -N2 --ntasks-per-node=1 python -m distlab.fault_agent throttle --rank 2 \
+        --share 0.5 --after-iteration 5 --log jobs/x.out
 
 ``signal`` waits until the job's log (on the shared file system) shows iteration 80, then sends the
-signal; the node that does not hold the rank prints nothing. It imports neither torch nor the
+signal; the node that does not hold the rank prints nothing. ``throttle`` makes a straggler: it
+stops the rank (SIGSTOP) for ``--share`` of every ``--period`` (20 ms) and lets it run (SIGCONT) the rest,
+until the rank ends, as a busy neighbour taking that share of its processor would. It imports neither torch nor the
 course's other modules: it starts between two iterations of the run it signals.
 """
 
@@ -113,6 +117,28 @@ def _signal_rank(args: argparse.Namespace) -> int:
     return 0
 
 
+def _throttle_rank(args: argparse.Namespace) -> int:
+    """Wait for ``--after-iteration``, then stop ``--rank`` for ``--share`` of every ``--period`` s
+    until it ends (if it runs here)."""
+    if not _wait_for_log(args):
+        return 1
+    pid = node_ranks(args.job, args.script).get(args.rank)
+    if pid is None:
+        return 0
+    print(
+        f"{socket.gethostname()}: rank {args.rank} (pid {pid}) stopped {args.share:.0%} of the time{_after(args)}",
+        flush=True,
+    )
+    try:
+        while True:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(args.share * args.period)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep((1 - args.share) * args.period)
+    except ProcessLookupError:
+        return 0  # the rank ended
+
+
 def _describe(pid: int, script: str) -> str:
     """'rank 3' for a training process, else its program ('torchrun', 'torch.distributed.run', 'python3')."""
     cmdline = Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
@@ -160,8 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     sig = sub.add_parser("signal", help="signal one rank of the job (on the node that runs it)")
     sig.add_argument("--rank", type=int, required=True)
     node = sub.add_parser("kill-node", help="signal all of the job's processes on this node (a node lost)")
+    slow = sub.add_parser("throttle", help="stop one rank part of the time until it ends (a straggler)")
+    slow.add_argument("--rank", type=int, required=True)
+    slow.add_argument("--share", type=float, default=0.5, help="the fraction of each period it is stopped")
+    slow.add_argument("--period", type=float, default=0.02, help="seconds (a few iterations of a tiny model)")
     for p in (sig, node):
         p.add_argument("--signal", default="KILL", help="KILL, STOP, CONT, TERM, USR1, ...")
+    for p in (sig, node, slow):
         p.add_argument("--after-iteration", type=int, default=0, help="wait until the log shows it")
         p.add_argument("--log", help="the job's output file (the iteration lines)")
         p.add_argument("--timeout", type=float, default=300.0)
@@ -173,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for rank, pid in sorted(node_ranks(args.job, args.script).items()):
             print(f"{socket.gethostname()} {rank} {pid}", flush=True)
         return 0
-    return _kill_node(args) if args.command == "kill-node" else _signal_rank(args)
+    return {"kill-node": _kill_node, "throttle": _throttle_rank, "signal": _signal_rank}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,19 @@ def inject(job: Job, rank: int, sig: str = "KILL", after_iteration: int = 0) -> 
     )
 
 
+def throttle(job: Job, rank: int, share: float = 0.5, after_iteration: int = 0) -> subprocess.Popen:
+    """Start a step in ``job`` that makes ``rank`` a straggler once the log shows ``after_iteration``:
+    stopped ``share`` of every 20 ms until it ends (``fault_agent throttle``); returns it running."""
+    wait_for_state(job, {"RUNNING"})
+    cmd = [sys.executable, "-m", "distlab.fault_agent", "throttle", "--job", str(job.id), "--rank", str(rank),
+           "--share", str(share)]  # fmt: skip
+    if after_iteration:
+        cmd += ["--after-iteration", str(after_iteration), "--log", str(job.log_path)]
+    return subprocess.Popen(
+        _overlap(job, *cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_step_env()
+    )
+
+
 def wait_for_state(job: Job, states: set[str], timeout: float = 300, reason: str | None = None) -> Job:
     """Poll until the job is in one of ``states`` (and, when given, pends for ``reason``)."""
     deadline = time.monotonic() + timeout

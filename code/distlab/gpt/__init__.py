@@ -38,19 +38,22 @@ never up (``tests/test_imports.py`` checks it)::
     moe/               router (top-k, aux loss), experts (their MLPs, split over tp), token_dispatcher
                        (allgather, alltoall), expert_parallel (the all-to-alls), moe_layer
                        ~ transformer/moe/ router, moe_utils, experts, token_dispatcher, moe_layer
-    transformer/       recompute (attention backends, what a block keeps), model (the GPT block by
-                       block; one pipeline stage) ~ transformer/, models/gpt/gpt_model.py
+    transformer/       recompute (attention backends, what a block keeps), config (GPT-2 or Llama's
+                       switches), norms, rope, attention (grouped-query), mlp (GeLU, SwiGLU), model
+                       (the GPT block by block; one pipeline stage) ~ transformer/, models/gpt/gpt_model.py
     pipeline_parallel/ p2p_communication, schedules (GPipe, 1F1B), interleaved (1F1B over v chunks),
                        timeline and plot (recorded F/B spans) ~ pipeline_parallel/
     deepspeed/         config (DeepSpeed's JSON, checked), engine (ZeRO as a back end)
                        ~ Megatron-DeepSpeed
     arguments/         groups (the flags, one dataclass per Megatron group), parser, validation
-                       (validate_args -> the Layout), backends ~ training/arguments.py
+                       (validate_args -> the Layout), architecture, backends ~ training/arguments.py
     optimizer/         optimizer (AdamW, LR schedule), loss_scaler (fp16), precision
                        ~ optimizer/, optimizer_param_scheduler.py
     distributed/       grad_buckets (dp reduction overlapped with backward), gradients (tied
-                       embedding, dp all-reduce, norm, clipping)
-                       ~ distributed/ param_and_grad_buffer, finalize_model_grads; optimizer/clip_grads
+                       embedding, dp all-reduce, norm, clipping), param_and_grad_buffer and
+                       distrib_optimizer (--use-distributed-optimizer: ZeRO-1 over dp x cp)
+                       ~ distributed/ param_and_grad_buffer, finalize_model_grads; optimizer/clip_grads,
+                       optimizer/distrib_optimizer.py
     checkpointing/     checkpointing (Megatron's legacy format), dist_checkpointing (DCP: torch_dist),
                        checkpointer (the run's saves, --async-save)
                        ~ training/checkpointing.py, dist_checkpointing/

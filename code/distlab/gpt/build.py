@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext, cap_cpu_threads, network_settings, print_on
 from distlab.gpt.arguments import PretrainArgs, as_list, deepspeed_run_config, parse_split
+from distlab.gpt.arguments.architecture import query_groups
 from distlab.gpt.arguments.implementations import implementation_lines
 from distlab.gpt.checkpointing import checkpointer, checkpointing
 from distlab.gpt.context_parallel.ring_attention import describe as describe_cp
@@ -43,6 +44,7 @@ from distlab.gpt.data.mock_dataset import MockIndexedDataset
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.deepspeed import config as deepspeed_config
 from distlab.gpt.deepspeed import engine as deepspeed_engine
+from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer, distributed_optimizer_line
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.meters import PeakMeter, cap_device_memory
@@ -114,6 +116,7 @@ class Run:
             state=self.state,
             autocast=self.autocast,
             forward_backward_fn=self.forward_backward,
+            time_forward_backward=self.args.log_straggler,  # its min/max over the ranks
         )
 
     def batches(
@@ -180,7 +183,12 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     peak_meter = PeakMeter(device).start()
     model = _build_model(args, state, vocab, device)
     mesh = parallelize_model(args, state, model, device)
-    optimizer, scaler = build_optimizer(model, args), precision.loss_scaler()  # on the shards with FSDP2
+    if args.use_distributed_optimizer:  # Megatron's: parameters in the run's dtype, fp32 main shards
+        optimizer = build_distributed_optimizer(model, state, args, precision.dtype)
+        print_on(rank0, distributed_optimizer_line(optimizer, precision.dtype))
+    else:
+        optimizer = build_optimizer(model, args)  # on the shards with FSDP2
+    scaler = precision.loss_scaler()
     timeline = None
     if args.pipeline_timeline:
         timeline = PipelineTimeline(state.pp_rank, state.pp, device, group=state.pp_group)
@@ -338,6 +346,8 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
         token_dispatcher=args.moe_token_dispatcher_type,
         load_balancing_type=balancing,
         grouped_gemm=args.moe_grouped_gemm,
+        gated_linear_unit=args.swiglu,
+        add_bias_linear=args.add_bias_linear,
     )
 
 
@@ -354,6 +364,17 @@ def _build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: t
         vocab_size=vocab,
         max_position_embeddings=args.max_position_embeddings,
         ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=query_groups(args),
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon,
+        layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma,
+        add_bias_linear=args.add_bias_linear,
+        swiglu=args.swiglu,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,

@@ -56,6 +56,7 @@ class StepResult:
     grad_norm: DeviceScalar | None
     skipped: DeviceScalar
     nan: DeviceScalar
+    forward_backward_ms: float = 0.0  # this rank's own forward and backward (--log-straggler)
 
 
 class StepBackend(Protocol):

@@ -53,22 +53,22 @@ class ParallelState:
         state = cls(layout=layout, rank=dist.get_rank())
         for dim in ORDER:
             for ranks in layout.groups(dim):
-                group = dist.new_group(ranks, timeout=timeout)
+                group = dist.new_group(ranks, timeout=timeout, group_desc=dim)
                 if state.rank in ranks:
                     setattr(state, f"{dim}_group", group)
         for ranks in layout.groups("dp", "cp"):
-            group = dist.new_group(ranks, timeout=timeout) if layout.cp > 1 else None
+            group = dist.new_group(ranks, timeout=timeout, group_desc="dp_cp") if layout.cp > 1 else None
             if state.rank in ranks:
                 state.dp_cp_group = group or state.dp_group
         for ranks in layout.groups("pp"):
             ends = sorted({ranks[0], ranks[-1]})
-            group = dist.new_group(ends, timeout=timeout)
+            group = dist.new_group(ends, timeout=timeout, group_desc="embedding")
             if state.rank in ends:
                 state.embedding_group = group
         if layout.ep > 1:
             for name, groups in (("ep_group", layout.ep_groups()), ("edp_group", layout.edp_groups())):
                 for ranks in groups:
-                    group = dist.new_group(ranks, timeout=timeout)
+                    group = dist.new_group(ranks, timeout=timeout, group_desc=name[:-6])
                     if state.rank in ranks:
                         setattr(state, name, group)
         state.tp_ep_group = state.ep_group if layout.tp == 1 else state.tp_group

@@ -18,10 +18,12 @@ loss lives with pipeline parallelism).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from distlab import flight_recorder
 from distlab.distributed import discover, init_distributed, print_on, shutdown
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
@@ -33,11 +35,13 @@ from distlab.gpt.memory.memory_estimate import MemorySetup, estimate, format_pre
 from distlab.gpt.memory.meters import memory_report, out_of_memory_message
 from distlab.gpt.moe.moe_layer import take_stats
 from distlab.gpt.native import torch_compile
+from distlab.gpt.pipeline_parallel.p2p_communication import PipelineTransferError
 from distlab.gpt.pipeline_parallel.timeline import bubble_summary, save_timeline
 from distlab.gpt.training import housekeeping, log
-from distlab.gpt.training.fault_handling import ExitSignal, is_timeout, missing_ranks
+from distlab.gpt.training.fault_handling import HANG_GRACE_S, ExitSignal, is_timeout
+from distlab.gpt.training.straggler import StragglerDetector
 from distlab.gpt.training.training import evaluate
-from distlab.logs.formats import EXIT_SIGNAL, HANG, MOE
+from distlab.logs.formats import EXIT_SIGNAL, HANG, HANG_DUMPS, MOE
 
 
 class OutOfMemory(RuntimeError):
@@ -53,16 +57,18 @@ def pretrain(argv: list[str] | None = None) -> dict:
         raise ArgumentError(str(exc)) from None
     # before anything slow: SIGTERM's and SIGUSR1's default action would end a rank still starting
     exit_signal = ExitSignal(args.exit_signal).install() if args.exit_signal_handler else None
+    flight_recorder.enable()  # before the first process group
     ctx = init_distributed(args.distributed_backend, timeout_s=60 * args.distributed_timeout_minutes)
-    run = None
+    run, hosts = None, []
     try:
         run = build_run(args, layout, ctx)
+        hosts = flight_recorder.start(flight_recorder.dump_prefix())
         return train(run, exit_signal)
     except torch.OutOfMemoryError as exc:  # CUDA's allocator (and --device-memory-gib's cap)
         raise OutOfMemory(out_of_memory_message(exc, args.micro_batch_size, args.device_memory_gib)) from None
     except RuntimeError as exc:
-        if run is not None and is_timeout(exc):  # a hang: name the ranks that do not answer
-            report_hang(run)
+        if run is not None and is_timeout(exc):  # a hang: name the ranks and the collective
+            report_hang(run, hosts, exc)
         raise
     finally:
         housekeeping.stop_manual_gc(args)
@@ -84,6 +90,12 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     print_on(run.rank0, "> training ...")
     run.model.train()
     iteration_ms = []  # this run's, for --torch-compile's line
+    straggler = None
+    if args.log_straggler:
+        straggler = StragglerDetector(
+            run.state.layout.world_size, run.state.rank, args.straggler_minmax_count,
+            enabled=not args.disable_straggler_on_startup, port=args.straggler_ctrlr_port, device=run.ctx.device,
+        )  # fmt: skip
     host = torch.device("cpu")
     prefetcher = Prefetcher(
         lambda first, m: run.batches(run.datasets[0], first, m, device=host), run.ctx.device
@@ -110,6 +122,8 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
             profiler.step()
             housekeeping.collect_after_step(args, run.iteration)
             log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
+            if straggler is not None:
+                report_straggler(run, straggler, result, batch)
             iteration_ms.append(before_ms + step_ms)
             maybe_evaluate(run)
             maybe_save(run)
@@ -118,18 +132,38 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     finally:
         prefetcher.close()
     profiler.stop()
+    if straggler is not None:
+        straggler.close()
     compiled = torch_compile.timing_line(iteration_ms) if args.torch_compile else None
     print_on(run.last_rank and compiled is not None, compiled)
     return finish(run)
 
 
-def report_hang(run: Run) -> None:
-    """After a collective timed out: which ranks miss a monitored barrier (gloo), said by rank 0."""
+def report_hang(run: Run, hosts: list[dict], exc: RuntimeError) -> None:
+    """After a collective timed out, on every rank that is still running: dump this rank's flight
+    record, wait up to ``HANG_GRACE_S`` for the other ranks' dumps, then print which ranks wrote
+    none (``logs.formats.HANG``), the collective they did not join and every rank's last one."""
+    prefix, world = flight_recorder.dump_prefix(), run.state.layout.world_size
+    waiting = flight_recorder.waiting_in(exc)  # gloo's record may lack it
+    if isinstance(exc, PipelineTransferError):  # point-to-point: not in gloo's record at all
+        members = sorted({run.state.rank, *exc.peers})
+        waiting = dict(op=f"pipeline {exc.what}", group="pp", members=members, sizes=[list(exc.shape)])
+    flight_recorder.dump(prefix, run.state.rank, hosts, waiting)
+    dumps = flight_recorder.wait_for_dumps(prefix, world, HANG_GRACE_S)
+    missing, lines = flight_recorder.hang_report(dumps, world, hosts)
     timeout_s = 60 * run.args.distributed_timeout_minutes
-    ranks = missing_ranks(timeout_s)
-    if ranks is not None:
-        line = HANG.format(iteration=run.iteration + 1, timeout_s=timeout_s, ranks=", ".join(map(str, ranks)))
-        print_on(True, line)
+    line = HANG.format(iteration=run.iteration + 1, timeout_s=timeout_s, ranks=", ".join(map(str, missing)))
+    folder = str(Path(prefix).parent)
+    print_on(True, line, *lines, HANG_DUMPS.format(folder=folder))
+
+
+def report_straggler(run: Run, straggler: StragglerDetector, result: StepResult, batch: int) -> None:
+    """--log-straggler: this rank's forward-backward time; every --log-interval the min/max over the
+    ranks (collective; rank 0 prints)."""
+    straggler.record(result.forward_backward_ms)
+    if run.iteration % run.args.log_interval == 0:
+        flops = run.tlog.flops * batch / run.args.global_batch_size  # the FLOPs scale with the batch
+        print_on(run.rank0, *straggler.report(run.iteration, flops))
 
 
 def report_memory(run: Run) -> None:

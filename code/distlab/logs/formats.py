@@ -25,6 +25,9 @@ module needs only the standard library: the engine prints with it, the notebooks
     SAVED            successfully saved checkpoint at iteration i to D in F format[ (async)] | blocking ... | total ...
     EXIT_SIGNAL    exiting program after receiving SIGUSR1 at iteration i
     HANG           > hang: a collective of iteration i waited T s (--distributed-timeout-minutes); no answer from ranks [r]
+    STRAGGLER      > straggler: iteration i | MnRtt/Rnk: Tms/r | MxRtt/Rnk: Tms/r | MnEtpt/Rnk: FTF/r | MxEtpt/Rnk: FTF/r
+    STRAGGLER_RANKS ^^^^ Bottom N Ranks with lowest  Etpt(TF): F/r, ...
+    HANG_DUMPS     > hang: flight records for PyTorch's analyzer (torchfrtrace FOLDER) in DIR
     MOE             [moe] iteration i | layer l | load_balancing_loss: ... | dropped tokens: d | tokens per expert: c0 c1 ... |
 """
 
@@ -185,8 +188,19 @@ SAVED = LogLine(
 )
 #: After the save on --exit-signal, rank 0: ``exiting program after receiving SIGUSR1 at iteration 7``.
 EXIT_SIGNAL = LogLine("exiting program after receiving {signal} at iteration {iteration:d}")
-#: Rank 0, after a collective timed out: ``> hang: a collective of iteration 8 waited 6.0 s ...``.
+#: Every surviving rank, after a collective timed out: ``> hang: a collective of iteration 8 waited
+#: 6.0 s ...``; the ranks are those that wrote no flight record (``distlab.flight_recorder``).
 HANG = LogLine(
     "> hang: a collective of iteration {iteration:d} waited {timeout_s:.1f} s "
     "(--distributed-timeout-minutes); no answer from ranks [{ranks}]"
 )
+#: Rank 0, every --log-interval with --log-straggler (Megatron's StragglerDetector line, the
+#: throughput in E notation: a CPU rank's TFLOP/s are 1e-4).
+STRAGGLER = LogLine(
+    "> straggler: iteration {iteration:d} | MnRtt/Rnk: {min_ms:.2f}ms/{min_rank:d} | MxRtt/Rnk: {max_ms:.2f}ms/{max_rank:d}"
+    " | MnEtpt/Rnk: {min_tf:.3E}TF/{min_tf_rank:d} | MxEtpt/Rnk: {max_tf:.3E}TF/{max_tf_rank:d}"
+)
+#: With --straggler-minmax-count N > 1, after STRAGGLER: the N lowest (Bottom) and highest (Top).
+STRAGGLER_RANKS = LogLine("^^^^ {which} {n:d} Ranks with {how} Etpt(TF): {pairs}")
+#: After HANG's line and the report's: where the dumps are, and PyTorch's analyzer on them.
+HANG_DUMPS = LogLine("> hang: flight records for PyTorch's analyzer (torchfrtrace FOLDER) in {folder}")

@@ -7,6 +7,7 @@
                      data_groups (data, tokenizer), refused (flags parsed only to be refused)
     parser           argparse built from them; --split and --profile-ranks
     validation       validate_args: everything checked before a process group exists -> the Layout
+    architecture     the model's flags (RMSNorm, RoPE, SwiGLU, GQA, ...): Megatron's defaults and rules
     backends         the back ends' flags (DeepSpeed, FSDP2, DTensor, compile, checkpoint formats)
     samples          --train-iters or --train-samples and their schedule flags; --decoupled-lr
     data_checks      the data source and the tokenizer's files

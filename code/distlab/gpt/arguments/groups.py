@@ -30,14 +30,62 @@ from distlab.gpt.arguments.training_groups import (
 
 @dataclass
 class NetworkSizeArgs:
-    """The model's shape (Megatron's ``_add_network_size_args``)."""
+    """The model's shape and architecture (Megatron's ``_add_network_size_args``, with the fields of
+    megatron-core's ``TransformerConfig`` it adds as flags: ``--norm-epsilon`` and the others whose
+    ``flag=`` differs from the name). GPT-2 by default; Llama is ``--normalization RMSNorm
+    --position-embedding-type rope --swiglu --group-query-attention --num-query-groups g
+    --disable-bias-linear --untie-embeddings-and-output-weights`` (``transformer/config.py``)."""
 
     num_layers: int = _f(None, "transformer blocks (required)")
     hidden_size: int = _f(None, "model width H (required)")
-    ffn_hidden_size: int = _f(None, "MLP width F (default 4H)")
-    num_attention_heads: int = _f(None, "attention heads; H must be divisible by it (required)")
+    ffn_hidden_size: int = _f(
+        None,
+        "MLP width F (default 4H; with --swiglu 2/3 of 4H rounded down to a multiple of 64, as Megatron)",
+    )
+    num_attention_heads: int = _f(None, "query heads n (required)")
+    kv_channels: int = _f(None, "channels d of each attention head (default H / n)")
+    group_query_attention: bool = _f(False, "grouped-query attention: --num-query-groups K/V heads")
+    num_query_groups: int = _f(
+        1,
+        "g, with --group-query-attention: K/V heads, each shared by n / g query heads; tp must divide g "
+        "(K/V heads split) or g divide tp (replicated)",
+    )
     max_position_embeddings: int = _f(None, "learned positions; >= --seq-length (default: seq length)")
+    position_embedding_type: str = _f(
+        "learned_absolute",
+        "learned_absolute: a (max positions, H) table added to the token embedding; rope: rotary "
+        "embeddings of q and k (rotate-half, at global positions); none",
+        choices=["learned_absolute", "rope", "none"],
+    )
+    rotary_base: int = _f(10000, "RoPE's base: pair i of a head turns by position x base^(-2i/d_rot)")
+    rotary_percent: float = _f(1.0, "fraction of each head's channels RoPE rotates (d_rot = d x it)")
+    add_position_embedding: bool = _f(
+        True,
+        "--no-position-embedding: deprecated in Megatron-LM for --position-embedding-type; accepted with "
+        "rope (no learned table either way), refused otherwise",
+        flag="--no-position-embedding",
+        action="store_false",
+    )
     make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this x tp")
+    swiglu: bool = _f(False, "SwiGLU MLP: fc2(silu(x W_gate) * x W_up) instead of fc2(gelu(x W_1))")
+    untie_embeddings_and_output_weights: bool = _f(
+        False, "the output layer (last stage) has its own weight instead of the word embeddings'"
+    )
+    normalization: str = _f(
+        "LayerNorm", "the norm of every block and of the output", choices=["LayerNorm", "RMSNorm"]
+    )
+    layernorm_epsilon: float = _f(1e-5, "epsilon of every LayerNorm / RMSNorm", flag="--norm-epsilon")
+    layernorm_zero_centered_gamma: bool = _f(
+        False,
+        "norms store gamma - 1 (initialised 0, applied as 1 + weight; weight decay pulls gamma to 1)",
+        flag="--apply-layernorm-1p",
+    )
+    add_bias_linear: bool = _f(
+        True,
+        "--disable-bias-linear: no bias in the linear layers (qkv, attention output, both MLP layers)",
+        flag="--disable-bias-linear",
+        action="store_false",
+    )
 
 
 @dataclass
@@ -60,7 +108,11 @@ class InitializationArgs:
     """The seed and the initialisation (Megatron's ``_add_initialization_args``)."""
 
     seed: int = _f(1234, "seed of initialisation, data shuffling and dropout")
-    init_method_std: float = _f(0.02, "std of the normal initialisation; output layers use std/sqrt(2L)")
+    init_method_std: float = _f(
+        0.02,
+        "std of the zero-mean normal initialisation of every weight matrix; the attention output and "
+        "fc2 use std / sqrt(2L) (Megatron's scaled init)",
+    )
 
 
 @dataclass
@@ -101,6 +153,17 @@ class DistributedArgs:
         "start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as "
         "its last gradient is accumulated; the step waits for all before the optimizer (pp 1 only here)",
     )
+    use_distributed_optimizer: bool = _f(
+        False,
+        "Megatron's distributed optimizer (ZeRO-1): parameters in the run's dtype in bucketed buffers, "
+        "fp32 gradients reduce-scattered per bucket, fp32 main parameters and Adam's moments sharded "
+        "over dp x cp, updated parameters all-gathered: 6 + 12/d bytes per parameter (bf16), 8 + 8/d (fp32)",
+    )
+    overlap_param_gather: bool = _f(
+        False,
+        "with --use-distributed-optimizer and --overlap-grad-reduce: each bucket's parameter all-gather "
+        "runs while the next forward goes on, waited for by the first module that uses the bucket",
+    )
     ddp_bucket_size: int = _f(
         None,
         "elements per gradient bucket (buckets fill in the reverse of the parameters' order); default "
@@ -126,6 +189,20 @@ class DistributedArgs:
         False,
         "FSDP2's CPUOffloadPolicy: parameter shards, their gradients and the optimizer state on the CPU, "
         "where the optimizer steps; each all-gather copies a block's shards to the device",
+    )
+
+
+@dataclass
+class StragglerArgs:
+    """Megatron's ``_add_straggler_detector_args`` (``training/straggler.py``)."""
+
+    log_straggler: bool = _f(
+        False, "every --log-interval: min/max per-rank forward-backward time and TFLOP/s, with their ranks"
+    )
+    straggler_ctrlr_port: int = _f(65535, "rank 0 listens here; each HTTP request toggles the detector")
+    straggler_minmax_count: int = _f(1, "N > 1: also print the N ranks of lowest and highest TFLOP/s")
+    disable_straggler_on_startup: bool = _f(
+        False, "start with the detector off (turn it on through the port)"
     )
 
 
@@ -197,6 +274,7 @@ class PretrainArgs(
     RefusedArgs,
     DeepSpeedArgs,
     MoEArgs,
+    StragglerArgs,
     LoggingArgs,
     TokenizerArgs,
     DataArgs,

@@ -1,15 +1,12 @@
 """Megatron's flags that this engine parses only to refuse, before any compute, each with why
-and what to use instead: FP8 (Transformer Engine on Hopper GPUs), the distributed optimizer (not
-built yet: issue 33, item 4), Weights & Biases (no network, no package)."""
+and what to use instead: FP8 (Transformer Engine on Hopper GPUs), Weights & Biases (no network,
+no package)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from distlab.gpt.arguments.fields import _f
-
-#: Where the distributed optimizer is planned.
-DISTRIBUTED_OPTIMIZER_ISSUE = "issue 33, item 4"
 
 
 @dataclass
@@ -25,12 +22,6 @@ class RefusedArgs:
         "most_recent", "FP8 delayed scaling's amax choice: refused here", choices=["most_recent", "max"]
     )
     fp8_param_gather: bool = _f(False, "all-gather FP8 parameters: refused here")
-    use_distributed_optimizer: bool = _f(
-        False, f"Megatron's ZeRO-1 distributed optimizer: not built yet ({DISTRIBUTED_OPTIMIZER_ISSUE})"
-    )
-    overlap_param_gather: bool = _f(
-        False, "overlap the distributed optimizer's parameter all-gather with the forward: refused here"
-    )
     wandb_project: str = _f(None, "Weights & Biases project: refused here (use --tensorboard-dir)")
     wandb_exp_name: str = _f(None, "Weights & Biases run name: refused here (use --tensorboard-dir)")
 
@@ -54,19 +45,6 @@ def refused_errors(args: RefusedArgs, cuda: bool) -> list[str]:
             f"{' '.join(fp8)}: FP8 GEMMs run in NVIDIA Transformer Engine's layers on Hopper (sm_90) or "
             f"newer GPUs, and this engine's layers are PyTorch's, without Transformer Engine{where}: drop "
             f"the --fp8-* flags and train in --bf16"
-        )
-    if args.use_distributed_optimizer:
-        errors.append(
-            f"--use-distributed-optimizer: Megatron's distributed optimizer (ZeRO-1: fp32 main parameters "
-            f"and Adam states sharded over the data-parallel ranks) is not built in this engine yet "
-            f"({DISTRIBUTED_OPTIMIZER_ISSUE}): drop it (every rank keeps the whole optimizer state), or "
-            f"shard parameters, gradients and optimizer state with --use-torch-fsdp2"
-        )
-    if args.overlap_param_gather:
-        errors.append(
-            f"--overlap-param-gather overlaps the distributed optimizer's all-gather of the updated "
-            f"parameters with the next forward, and Megatron allows it only with "
-            f"--use-distributed-optimizer, not built here yet ({DISTRIBUTED_OPTIMIZER_ISSUE}): drop it"
         )
     wandb = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in ("wandb_project", "wandb_exp_name")
              if getattr(args, n) is not None]  # fmt: skip

@@ -10,6 +10,7 @@ import os
 import torch
 
 from distlab.distributed import pick_backend
+from distlab.gpt.arguments.architecture import architecture_args_errors, fill_architecture_defaults
 from distlab.gpt.arguments.backends import (
     _ckpt_format_errors,
     _deepspeed_errors,
@@ -18,6 +19,7 @@ from distlab.gpt.arguments.backends import (
     _torch_fsdp2_errors,
 )
 from distlab.gpt.arguments.data_checks import data_errors, tokenizer_errors
+from distlab.gpt.arguments.distrib_optimizer_rules import distributed_optimizer_errors
 from distlab.gpt.arguments.groups import PretrainArgs
 from distlab.gpt.arguments.implementations import apply_profile_flags, implementation_errors
 from distlab.gpt.arguments.parser import as_list, parse_split, profile_ranks
@@ -63,7 +65,9 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         args.max_position_embeddings = args.seq_length
     if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
+    fill_architecture_defaults(args)
     errors = [
+        *architecture_args_errors(args, layout),
         *refused_errors(args, torch.cuda.is_available()),
         *data_errors(args),
         *tokenizer_errors(args),
@@ -82,6 +86,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_context_parallel_errors(args, layout),
         *_interleaving_errors(args, layout),
         *_grad_reduce_errors(args, layout),
+        *distributed_optimizer_errors(args, layout),
     ]
     if errors:
         raise ValueError("invalid arguments: " + "; ".join(errors))
@@ -343,8 +348,9 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
 
 
 def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
-    """v > 1 (its sizes are checked by the layout): the interleaved schedule is a 1F1B, with a
-    whole sequence per rank."""
+    """v > 1 (its sizes are checked by the layout): the interleaved schedule is a 1F1B; not with
+    --sequence-parallel. With context parallelism each chunk's ring attention runs over the cp
+    group, whose ranks are at the same place of the same schedule."""
     try:
         check_schedule(args.pipeline_schedule, layout.vp)
     except ValueError as e:
@@ -353,11 +359,6 @@ def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         return [
             f"--sequence-parallel with an interleaved pipeline (v = {layout.vp}): not combined in this "
             f"engine; drop the virtual-pipeline flag or --sequence-parallel"
-        ]
-    if layout.vp > 1 and layout.cp > 1:
-        return [
-            f"--context-parallel-size {layout.cp} with an interleaved pipeline (v = {layout.vp}): not "
-            f"combined in this engine; drop the virtual-pipeline flag or set --context-parallel-size 1"
         ]
     return []
 

@@ -32,6 +32,10 @@ same trajectory. That is what ``torchrun --max-restarts N`` relies on: with ``--
 ``--save``, a restarted attempt resumes from the latest checkpoint by itself, and says so
 (:func:`resume_line`).
 
+With ``--use-distributed-optimizer`` the optimizer's entry holds every bucket's fp32 main parameters
+and moments gathered whole from the dp x cp shards (as Megatron's ``dp_reshardable`` torch format):
+a run saved with dp 4 loads with dp 2, each rank taking its new shard.
+
 This is ``--ckpt-format torch`` (the default; Megatron's legacy format). ``--ckpt-format
 torch_dist`` (``dist_checkpointing.py``) writes sharded checkpoints with the same tracker and the
 same atomic :func:`commit`.
@@ -53,6 +57,7 @@ from torch import nn
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import durable
+from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker
 
@@ -137,6 +142,7 @@ def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -
     if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
     dist.barrier()
+    optim = optimizer.state_dict()  # every rank: the distributed optimizer gathers its shards
     if writes_checkpoint(state):
         path = rank_file(tmp, state)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -144,7 +150,7 @@ def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -
             "iteration": iteration,
             "consumed_samples": consumed_samples,
             "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optim,
             "scaler": scaler_state,
             "rng": rng_state(),
             "args": dataclasses.asdict(args),
@@ -240,9 +246,16 @@ def load_checkpoint(
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     check_args(ckpt["args"], args, path)
     model.load_state_dict(ckpt["model"])
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.main_from_params()
     if release:
         return 0, 0, None
     if not args.no_load_optim:  # Megatron's --no-load-optim: fresh Adam moments and loss scale
+        if "distributed_optimizer" in ckpt["optimizer"] and not isinstance(optimizer, DistributedOptimizer):
+            raise ValueError(
+                f"{path} holds a distributed optimizer's state (--use-distributed-optimizer): load "
+                f"it with --use-distributed-optimizer, or with --no-load-optim"
+            )
         optimizer.load_state_dict(ckpt["optimizer"])
     if not args.no_load_rng:
         set_rng_state(ckpt["rng"])

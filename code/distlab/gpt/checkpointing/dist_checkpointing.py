@@ -63,10 +63,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import checkpointing, durable
 from distlab.gpt.checkpointing.checkpointing import Snapshot
+from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer, check_layout
 from distlab.gpt.parallel_state import ParallelState
 
 COMMON = "common.pt"  # Megatron-LM's name for the state every rank shares
@@ -86,10 +89,62 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, with_opti
     DTensor shards), ``get_state_dict``'s two halves. An optimizer that has not stepped yet (only
     fp16 overflows so far) is left out: ``get_optimizer_state_dict`` would give it a state by
     stepping it with lr 0, and Adam's step count would then differ from the uninterrupted run's."""
+    if isinstance(optimizer, DistributedOptimizer):  # its shards, as DTensors
+        optimizer.buffer.finish_param_sync()
+        state_dict = {"model": get_model_state_dict(model, options=OPTIONS)}
+        if with_optimizer:
+            state_dict["optimizer"] = {"distrib": _distributed_optimizer_state(optimizer)}
+        return state_dict
     state_dict = {"model": get_model_state_dict(model, options=OPTIONS)}
     if with_optimizer:
         state_dict["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
     return state_dict
+
+
+def _distributed_optimizer_state(optimizer: DistributedOptimizer) -> dict:
+    """``--use-distributed-optimizer``: bucket ``i``'s fp32 main parameters and moments on
+    pipeline stage ``k`` are ``pp<k>.bucket<i>.<name>``, ``Shard(0)`` DTensors of the bucket's
+    unpadded length over the dp x cp ranks: rank ``r``'s chunk is its shard, ``[r S, (r + 1) S)``
+    cut at the length, which is ``torch.chunk``'s split that DTensor assumes. DCP reads them back
+    for another dp x cp; the buckets must be the same (``check_layout``)."""
+    buffer, pp_rank = optimizer.buffer, optimizer.parallel.pp_rank
+    mesh = None
+    if buffer.d > 1:
+        device_type = buffer.buckets[0].param_data.device.type
+        mesh = DeviceMesh.from_group(buffer.group, device_type)
+    out = {"step": optimizer.step_count().clone()}
+    for i, bucket in enumerate(buffer.buckets):
+        real = max(0, min(bucket.end, bucket.numel) - bucket.start)  # this rank's unpadded elements
+        for name, shard in optimizer.bucket_tensors(i).items():
+            local = shard[:real]
+            if mesh is not None:
+                local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                           shape=torch.Size([bucket.numel]), stride=(1,))  # fmt: skip
+            out[f"pp{pp_rank}.bucket{i}.{name}"] = local
+    return out
+
+
+def _check_distributed_layout(optimizer: DistributedOptimizer, saved: dict) -> None:
+    """The saved buckets (DCP's metadata) must be this run's, before ``dcp.load`` reads any."""
+    pp_rank = optimizer.parallel.pp_rank
+    keys = {k for k in saved if k.startswith(f"optimizer.distrib.pp{pp_rank}.") and k.endswith(".param")}
+    numels = [saved[f"optimizer.distrib.pp{pp_rank}.bucket{i}.param"].size[0] for i in range(len(keys))]
+    check_layout(numels, [b.numel for b in optimizer.buffer.buckets])
+
+
+def _load_distributed_optimizer(optimizer: DistributedOptimizer, loaded: dict) -> None:
+    """Put the loaded shards in place (``loaded``: :func:`_distributed_optimizer_state`'s, filled)."""
+    pp_rank = optimizer.parallel.pp_rank
+    if not loaded["step"]:
+        return  # saved before the first step
+    for i, bucket in enumerate(optimizer.buffer.buckets):
+        shards = {}
+        for name in ("param", *optimizer.moment_keys):
+            tensor = loaded[f"pp{pp_rank}.bucket{i}.{name}"]
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            shards[name] = torch.zeros_like(bucket.param_shard(), dtype=torch.float32)
+            shards[name][: local.numel()] = local
+        optimizer.load_bucket_tensors(i, shards, loaded["step"])
 
 
 def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple[str, dict]:
@@ -110,7 +165,8 @@ def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "scaler": scaler_state,
                   "rng": dict(rngs), "args": dataclasses.asdict(args)}  # fmt: skip
         durable.write_file(os.path.join(tmp, COMMON), lambda f: torch.save(common, f))
-    return tmp, _state_dict(model, optimizer, with_optimizer=bool(optimizer.state))
+    with_optimizer = isinstance(optimizer, DistributedOptimizer) or bool(optimizer.state)
+    return tmp, _state_dict(model, optimizer, with_optimizer=with_optimizer)
 
 
 def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> str:
@@ -178,10 +234,23 @@ def load_checkpoint(
     checkpointing.check_args(common["args"], args, folder, may_differ=("tensor_model_parallel_size",))
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata  # every key saved
     with_optimizer = any(key.startswith("optimizer.") for key in saved) and not args.no_load_optim
+    distrib = any(key.startswith("optimizer.distrib.") for key in saved)
+    if with_optimizer and distrib != isinstance(optimizer, DistributedOptimizer):
+        raise ValueError(
+            f"{folder}'s optimizer state was written {'with' if distrib else 'without'} "
+            f"--use-distributed-optimizer: load it {'with' if distrib else 'without'} the flag, or "
+            f"with --no-load-optim"
+        )
+    if with_optimizer and distrib:
+        _check_distributed_layout(optimizer, saved)
     state_dict = _state_dict(model, optimizer, with_optimizer=with_optimizer)  # this run's, to be filled
     dcp.load(state_dict, checkpoint_id=folder)
     set_model_state_dict(model, state_dict["model"], options=OPTIONS)
-    if with_optimizer:
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.main_from_params()
+    if with_optimizer and distrib:
+        _load_distributed_optimizer(optimizer, state_dict["optimizer"]["distrib"])
+    elif with_optimizer:
         set_optimizer_state_dict(model, optimizer, state_dict["optimizer"], options=OPTIONS)
     rngs, (tp_rank, pp_rank, _) = common["rng"], _coords(state)
     # new dp ranks: dp 0's; new tp ranks too: tp 0's default stream, but their own model-parallel

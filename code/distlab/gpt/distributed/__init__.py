@@ -1,2 +1,2 @@
-"""Data-parallel gradients: buckets and the finalisation after the backward (Megatron Core's
-``distributed/``)."""
+"""Data-parallel gradients: buckets and the finalisation after the backward, and the distributed
+optimizer's buffers and shards (Megatron Core's ``distributed/`` and ``optimizer/distrib_optimizer.py``)."""

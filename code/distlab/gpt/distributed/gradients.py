@@ -96,16 +96,12 @@ def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> to
     ep = state.ep if state is not None else 1
     grads, experts = [], []
     for p in params:
-        if p.grad is None:
-            continue
-        if getattr(p, "partition_dim", None) is None and tp_rank != 0:
-            continue
-        if getattr(p, "shared_embedding", False) and pp > 1:
+        if p.grad is None or not counted_in_norm(p, tp_rank, pp):
             continue
         (experts if ep > 1 and is_expert(p) else grads).append(p.grad.detach())
-    total = _square_sum(grads)  # sum_p ||g_p||^2
+    total = square_sum(grads)  # sum_p ||g_p||^2
     if ep > 1:  # each ep rank holds different experts: their squares add up over the group
-        expert_total = _square_sum(experts)
+        expert_total = square_sum(experts)
         dist.all_reduce(expert_total, group=state.ep_group)
         total = total + expert_total
     if state is not None:
@@ -115,13 +111,21 @@ def grad_norm(params: Iterable[nn.Parameter], state: ParallelState | None) -> to
     return total.sqrt()
 
 
-def _square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+def counted_in_norm(p: nn.Parameter, tp_rank: int, pp: int) -> bool:
+    """Whether this rank counts ``p`` in the global norm: a replicated parameter on tp rank 0 only,
+    the tied embedding's copy on the last stage never."""
+    if getattr(p, "partition_dim", None) is None and tp_rank != 0:
+        return False
+    return not (getattr(p, "shared_embedding", False) and pp > 1)
+
+
+def square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
     if not grads:
-        return torch.zeros((), device=_collective_device())
+        return torch.zeros((), device=collective_device())
     return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
 
 
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
     """Where collectives of this rank's groups run: its GPU with nccl, else the CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

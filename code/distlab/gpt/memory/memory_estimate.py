@@ -19,7 +19,9 @@ ZeRO's count is Rajbhandari et al. (2020), the one DeepSpeed's mixed precision h
 table (its distributed-optimizer documentation, without the distributed optimizer) gives 20 bytes
 with fp16 parameters and gradients (the gradients are copied to fp32 main gradients for the step)
 and 18 with bf16 parameters and fp32 gradients; its distributed optimizer shards the fp32 main
-parameters and moments (with fp16, the fp32 main gradients too): 4 + 16/dp and 6 + 12/dp.
+parameters and moments (with fp16, the fp32 main gradients too): 4 + 16/dp and 6 + 12/dp. This
+engine's (``--use-distributed-optimizer``) keeps bf16 parameters under --bf16, as Megatron does:
+8 + 8/d (fp32), 6 + 12/d (bf16), 4 + 16/d (bf16 with --grad-reduce-in-bf16), d = dp x cp.
 
 ZeRO stage 1 divides the optimizer state by dp, stage 2 also the gradients, stage 3 also the
 parameters; offload moves the optimizer state (stage 3: also the parameters) to the CPU.
@@ -34,6 +36,9 @@ This course's GPT has no dropout (dropout 0). In units of s b h values (t = tp),
     residual stream (LN1 and LN2 inputs), always fp32                          2
     LN1 and LN2 outputs (qkv and fc1 inputs), whole on every tp rank           2
     q k v 3, attention output = proj input 1, GeLU input 4, fc2 input 4       12 / t
+      (Llama: q and output 2 a d / h, K/V 2 g d / h (fused attention keeps the g
+      grouped heads), SwiGLU's gate, up, silu(gate), product 4 F / h; each RMSNorm
+      also its normalised input, fp32: + 2 with the residual stream's terms)
     --attention-backend unfused|local only: the softmax probabilities,
       a s / h (the b a s^2 / t scores), fp32 and, under autocast, a half copy   a s / (h t)
 
@@ -104,6 +109,10 @@ group (``rebuilt_parameters``). Against ``torch.profiler``'s count of the CPU al
 (4 layers, h 64-256, s 256-512, bf16, every mode and both attention backends) the peak is
 within +0 to -5 %.
 
+**Llama's blocks** (``transformer/config.py``): a block holds qkv h (a + 2g) d, proj a d h and
+SwiGLU's 3 h F weights, no biases with ``--disable-bias-linear``, one weight per RMSNorm; no
+position table with RoPE; the last stage an untied (V / t, h) output layer (``parameters.layer_parameters``).
+
 **Mixture of experts** (``--num-experts E``): each block's MLP ((8 h^2 + 4 h) / tp + h on a rank: its
 fc2 bias whole) becomes a router (E h) and this rank's E / ep experts, each split over tp as the
 MLP (etp = tp): expert parameters, their gradients and optimizer state divide by ep x tp. Activations are counted as the dense MLP's (the k
@@ -134,39 +143,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distlab.gpt.memory.parameters import block_parameters, layer_parameters, stage_parameters, vocab_split
 from distlab.gpt.memory.setup import HALF as _HALF
 from distlab.gpt.memory.setup import MemorySetup
 from distlab.gpt.transformer.recompute import EXPLICIT_BACKENDS, checkpoint_groups
 from distlab.logs.formats import PREDICTION
 
 MiB = 2**20
-
-
-def num_parameters(L: int, h: int, V: int, s: int) -> int:
-    """Parameters of the whole GPT: 12 L h^2 (1 + 13/(12h) + (V+s)/(12 L h)) + 2h (final LN)."""
-    return L * (12 * h * h + 13 * h) + (V + s) * h + 2 * h
-
-
-def layer_parameters(c: MemorySetup) -> int:
-    """Parameters of one block on a rank: matrices / tp, LayerNorms and row-parallel biases whole."""
-    h = c.hidden_size
-    split = 12 * h * h + 7 * h  # qkv, proj, fc1, fc2 weights; qkv (3h) and fc1 (4h) biases
-    layer = split // c.tp + 6 * h  # + two LayerNorms (4h), proj and fc2 biases (2h), replicated
-    if c.num_experts is not None:  # the MLP's (8h^2 + 4h) / tp + h -> router E h + E / ep such experts
-        layer += c.num_experts * h + (c.num_experts // c.ep - 1) * ((8 * h * h + 4 * h) // c.tp + h)
-    return layer
-
-
-def stage_parameters(c: MemorySetup) -> int:
-    """Parameters on the first pipeline stage's rank (it holds the embeddings): matrices / tp."""
-    h = c.hidden_size
-    n = (c.num_layers // c.pp) * layer_parameters(c) + c.vocab_size * h // _vocab_split(c) + c.seq_length * h
-    return n + (2 * h if c.pp == 1 else 0)
-
-
-def _vocab_split(c: MemorySetup) -> int:
-    """Ranks the embedding and the logits are split over: tp (Megatron's vocab-parallel), or 1 (DTensor's plan)."""
-    return 1 if c.tensor_parallel_impl == "dtensor" else c.tp
 
 
 def korthikanti_layer_bytes(
@@ -205,14 +188,34 @@ def scores_bytes(c: MemorySetup) -> float:
     return per_value * c.micro_batch_size * c.num_attention_heads * c.seq_length**2 / c.tp
 
 
+def split_activations(c: MemorySetup) -> float:
+    """The values of one block split by tp, in units of s b h (GPT-2: 12): q, K and V as the core
+    attention keeps them (fused attention: g K/V heads; explicit and ring attention: repeated to a),
+    its output (the projection's input), and the MLP's: GeLU's input and output (2 F), or SwiGLU's
+    gate, up, silu(gate) and their product (4 F)."""
+    h, a = c.hidden_size, c.num_attention_heads
+    d, f = c.kv_channels or h // a, c.ffn_hidden_size or 4 * h
+    grouped = c.attention_backend not in EXPLICIT_BACKENDS and c.cp == 1
+    g = (c.num_query_groups or a) if grouped else a
+    return (2 * a * d + 2 * g * d + (4 if c.swiglu else 2) * f) / h
+
+
 def block_bytes(c: MemorySetup) -> float:
     """One block's stored activations without recomputation (see the module docstring)."""
     per_value = 2 if c.precision in _HALF else 4
-    residual, whole, split = 2, 2, 12  # fp32 LN inputs; LN outputs (/ t with Megatron's SP); split by tp
+    # fp32 LN inputs; LN outputs (/ t with Megatron's SP); split by tp
+    residual, whole, split = 2, 2, split_activations(c)
     # DTensor's plan keeps the LN outputs gathered for qkv's and fc1's weight gradients
     ln_out = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)
-    outside = _outside_sbh(c) * 4 * residual + ln_out * per_value * whole
+    outside = _outside_sbh(c) * 4 * (residual + 2 * _rms_extra(c)) + ln_out * per_value * whole
     return outside + _sbh(c) * per_value * split / c.tp + scores_bytes(c)
+
+
+def _rms_extra(c: MemorySetup) -> int:
+    """s b h per norm PyTorch's ``F.rms_norm`` keeps besides its input, in fp32 under autocast too:
+    its normalised input x / rms(x), for the weight's gradient (LayerNorm's fused kernel keeps
+    only the input, its mean and 1 / std)."""
+    return 1 if c.normalization == "RMSNorm" else 0
 
 
 def _groups(c: MemorySetup) -> list[tuple[int, int, bool]]:
@@ -252,9 +255,9 @@ def chunks_in_flight(c: MemorySetup) -> int:
 
 def head_bytes(c: MemorySetup) -> float:
     """Loss head: final LN in/out (2 sbh fp32, / t with SP) and three b s V fp32 tensors at its backward."""
-    bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / _vocab_split(c)
+    bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / vocab_split(c)
     ln_f = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)  # DTensor gathers before ln_f
-    return 4 * (2 * ln_f + 3 * bsv)
+    return 4 * ((2 + _rms_extra(c)) * ln_f + 3 * bsv)
 
 
 def attention_backward_bytes(c: MemorySetup) -> float:
@@ -328,12 +331,12 @@ def backward_moments(c: MemorySetup, grad_bytes: float = 4.0) -> list[tuple[floa
     which, for the first groups, are nearly all of them.
     """
     chunk, flight = chunk_layers_bytes(c), chunks_in_flight(c)
-    head_params = stage_parameters(c) - (c.num_layers // c.pp) * layer_parameters(c) if c.pp == 1 else 0
+    head_params = stage_parameters(c) - (c.num_layers // c.pp) * block_parameters(c) if c.pp == 1 else 0
     moments = [(flight * chunk + head_bytes(c), grad_bytes * head_params)] if c.pp == 1 else []
     units, kept_before = _units(c), 0.0
     blocks = c.num_layers // (c.pp * c.vp)
     for first, end, ckpt in units:
-        made = head_params + (blocks - end + 1) * layer_parameters(c)  # through its last block
+        made = head_params + (blocks - end + 1) * block_parameters(c)  # through its last block
         acts = (flight - 1) * chunk + kept_before + _unit_backward(c, first, end, ckpt)
         moments.append((acts, grad_bytes * made))
         kept_before += _unit_stored(c, first, end, ckpt)
@@ -380,8 +383,7 @@ def fsdp2_gathered_bytes(c: MemorySetup) -> float:
     """FSDP2's unsharded parameters during compute, in the parameters' dtype (bf16 with --bf16):
     the root (embeddings, final LayerNorm: never resharded) and one block, or with
     ``reshard_after_forward`` False every block (gathered once, kept to backward)."""
-    h = c.hidden_size
-    block = 12 * h * h + 13 * h
+    block = sum(layer_parameters(c))
     root = stage_parameters(c) - c.num_layers * block
     blocks = c.num_layers if not c.fsdp2_reshard_after_forward else 1
     return (root + blocks * block) * (2 if c.precision in _HALF else 4)
@@ -394,6 +396,8 @@ def estimate(c: MemorySetup) -> MemoryEstimate:
         shards = 0.0 if c.offload else n * 16 / c.dp  # parameters 4 + gradients 4 + Adam 8, / dp
         return MemoryEstimate(shards * 4 / 16, shards * 4 / 16, shards * 8 / 16, fsdp2_gathered_bytes(c),
                               activation_bytes(c), _with_gradients(c, 0.0 if c.offload else 4 / c.dp))  # fmt: skip
+    if c.distributed_optimizer:
+        return _distributed_optimizer_estimate(c, n)
     deepspeed_mixed = c.zero_stage > 0 and c.precision in _HALF
     p_bytes, g_bytes, k = (2, 2, 12) if deepspeed_mixed else (4, 4, 8)
     params = n * p_bytes / _zero_shards(c, 3)
@@ -413,11 +417,30 @@ def rebuilt_parameters(c: MemorySetup) -> int:
     forward keeps none (autocast's cache ends with the forward), its rebuild makes them again for
     that group only; so all checkpointed blocks' but the largest group's (per model chunk)."""
     groups = [end - first for first, end, ckpt in _groups(c) if ckpt]
-    return c.vp * (sum(groups) - max(groups, default=0)) * layer_parameters(c)
+    return c.vp * (sum(groups) - max(groups, default=0)) * block_parameters(c)
 
 
 def _with_gradients(c: MemorySetup, grad_bytes: float) -> float:
     return max(acts + grads for acts, grads in backward_moments(c, grad_bytes))
+
+
+def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
+    """``--use-distributed-optimizer`` (``distributed/distrib_optimizer.py``): parameters in the
+    run's dtype and the gradient buffer whole, the fp32 copies and moments over d = dp x cp::
+
+        fp32                      4 + 4 + 8 / d                 =  8 +  8 / d
+        bf16                      2 + 4 + (4 main + 8) / d      =  6 + 12 / d
+        bf16, bf16 gradients      2 + 2 + (4 + 4 + 8) / d       =  4 + 16 / d
+
+    (the padding of each bucket to a multiple of d, under d elements, is left out). The weights
+    are bf16 already: autocast makes no half copies. Activations are counted as under autocast
+    over fp32 weights (the residual stream in fp32), an upper bound for bf16 weights."""
+    d, half = c.dp * c.cp, c.precision in _HALF
+    g_bytes = 2 if c.grad_reduce_in_bf16 else 4
+    k = 8 + (4 if half else 0) + (4 if g_bytes == 2 else 0)
+    return MemoryEstimate(
+        n * (2 if half else 4), n * g_bytes, n * k / d, 0.0, activation_bytes(c), _with_gradients(c, g_bytes)
+    )
 
 
 def format_prediction(predicted: float, measured: float, how: str) -> str:

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
 from distlab.logs.formats import MEMORY, RANK_COORDS
 
 if TYPE_CHECKING:
@@ -88,15 +89,20 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
 
 def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device) -> dict:
     """This rank's numbers, in bytes (under ZeRO-3 its shard of each parameter, ``ds_tensor``; under
-    FSDP2 the local shards of the DTensor parameters, gradients and Adam states). The count of
+    FSDP2 the local shards of the DTensor parameters, gradients and Adam states; with the distributed
+    optimizer the gradient buffers and its shards' fp32 copies and moments). The count of
     values is the whole model's in both (``ds_numel``, a DTensor's ``numel()``)."""
     params = list(model.parameters())
     peak, how = peak_memory_bytes(device)
+    grads, optim = _bytes(p.grad for p in params if p.grad is not None), optimizer_state_bytes(optimizer)
+    if isinstance(optimizer, DistributedOptimizer):  # the gradient buffers; its fp32 copies and moments
+        grads = _bytes(b.grad_data for b in optimizer.buffer.buckets)
+        optim = optimizer.state_bytes()
     return {
         "num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
         "parameters": _bytes(getattr(p, "ds_tensor", p) for p in params),
-        "gradients": _bytes(p.grad for p in params if p.grad is not None),
-        "optimizer_state": optimizer_state_bytes(optimizer),
+        "gradients": grads,
+        "optimizer_state": optim,
         "peak": peak,
         "peak_kind": how,
     }

@@ -71,6 +71,11 @@ class MemorySetup:
     """PyTorch FSDP2 (``--use-torch-fsdp2``): fp32 states sharded over dp as ZeRO-3, plus the
     parameters gathered for compute (``gathered_bytes``)."""
     fsdp2_reshard_after_forward: bool = True
+    distributed_optimizer: bool = False
+    """``--use-distributed-optimizer``: parameters in the run's dtype, fp32 main parameters and
+    moments sharded over dp x cp (Megatron's ZeRO-1)."""
+    grad_reduce_in_bf16: bool = False
+    """``--grad-reduce-in-bf16``: with the distributed optimizer, a bf16 gradient buffer."""
     num_experts: int | None = None
     """E, experts per MoE layer (None: dense MLPs)."""
     ep: int = 1
@@ -79,6 +84,21 @@ class MemorySetup:
     """``--sequence-parallel``: activations outside the tp GEMMs split along s over tp."""
     tensor_parallel_impl: str = "megatron"
     """``--tensor-parallel-impl``: "dtensor" keeps the gathered LN outputs and the vocabulary whole."""
+    ffn_hidden_size: int | None = None
+    """F, the MLP width (4h when None)."""
+    num_query_groups: int | None = None
+    """g, K/V heads (None: a, multi-head)."""
+    kv_channels: int | None = None
+    """d, channels per head (None: h / a)."""
+    swiglu: bool = False
+    """Three F x h matrices in the MLP (gate, up, down) instead of two."""
+    add_bias_linear: bool = True
+    normalization: str = "LayerNorm"
+    """RMSNorm has a weight and no bias."""
+    position_embedding_type: str = "learned_absolute"
+    """Only learned_absolute holds a (s, h) position table."""
+    untie_embeddings_and_output_weights: bool = False
+    """The last stage holds its own (V, h) output layer."""
 
     def __post_init__(self) -> None:
         raise_errors(  # the layout's rules, the same as the run's (distlab/gpt/layout.py)
@@ -95,6 +115,10 @@ class MemorySetup:
             raise ValueError(f"precision {self.precision!r} must be fp32, fp16 or bf16")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero stage {self.zero_stage} must be 0, 1, 2 or 3")
+        if self.distributed_optimizer and (self.zero_stage or self.fsdp2):
+            raise ValueError(
+                "the distributed optimizer is the engine's own: not with DeepSpeed ZeRO or FSDP2"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention backend {self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
@@ -150,7 +174,17 @@ class MemorySetup:
             offload=zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
             or (args.use_torch_fsdp2 and args.torch_fsdp2_cpu_offload),
             fsdp2=args.use_torch_fsdp2,
+            distributed_optimizer=args.use_distributed_optimizer,
+            grad_reduce_in_bf16=args.grad_reduce_in_bf16,
             fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
             num_experts=args.num_experts,
             tensor_parallel_impl=args.tensor_parallel_impl,
+            ffn_hidden_size=args.ffn_hidden_size,
+            num_query_groups=args.num_query_groups if args.group_query_attention else None,
+            kv_channels=args.kv_channels,
+            swiglu=args.swiglu,
+            add_bias_linear=args.add_bias_linear,
+            normalization=args.normalization,
+            position_embedding_type=args.position_embedding_type,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         )

@@ -37,23 +37,22 @@ def is_embedding_or_output(name: str, p: nn.Parameter) -> bool:
     return getattr(p, "is_embedding_or_output_parameter", False) or name in EMBEDDING_OR_OUTPUT
 
 
-def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimizer:
-    """AdamW (Megatron's ``adam`` decouples weight decay) or SGD; no decay on biases and norms;
-    each group carries its schedule's ``max_lr`` / ``min_lr`` (``--decoupled-lr``'s for E and the
-    output layer).
+def group_key(name: str, p: nn.Parameter, args: PretrainArgs) -> tuple[bool, bool]:
+    """``p``'s parameter group: (no weight decay: biases and norms, ``--decoupled-lr``'s: E and
+    the output layer)."""
+    no_decay = name.endswith(".bias") or ".ln" in name or name.startswith("ln")
+    return no_decay, args.decoupled_lr is not None and is_embedding_or_output(name, p)
+
+
+def make_optimizer(groups: dict[tuple[bool, bool], list], args: PretrainArgs) -> torch.optim.Optimizer:
+    """AdamW (Megatron's ``adam`` decouples weight decay) or SGD over ``groups`` keyed by
+    :func:`group_key`; each group carries its schedule's ``max_lr`` / ``min_lr``.
 
     Both fused (``fused=True``: one kernel over all parameters, on CPUs and GPUs alike): the
     default foreach AdamW reads every parameter's step count back to the host (two ``.item()``
     per parameter and step), and only a fused optimizer skips an update on the device
     (:func:`step_unless`).
     """
-    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        no_decay = name.endswith(".bias") or ".ln" in name or name.startswith("ln")
-        decoupled = args.decoupled_lr is not None and is_embedding_or_output(name, p)
-        groups.setdefault((no_decay, decoupled), []).append(p)
     param_groups = [
         {
             "params": params,
@@ -75,6 +74,15 @@ def _decoupled_min_lr(args: PretrainArgs) -> float:
     return args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
 
 
+def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimizer:
+    """:func:`make_optimizer` over the model's trainable parameters."""
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(group_key(name, p, args), []).append(p)
+    return make_optimizer(groups, args)
+
+
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every parameter group runs torch's fused kernel (which takes ``found_inf``)."""
     return all(group.get("fused") for group in optimizer.param_groups)
@@ -85,18 +93,20 @@ def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> No
 
     A fused optimizer takes the flag as ``found_inf`` (as ``torch.amp.GradScaler`` hands it):
     its kernel leaves parameters, moments and step count alone when it is 1, without the host
-    reading it. Any other optimizer (one built outside ``build_optimizer``) cannot: the flag is
-    read (one synchronisation) and the step skipped on the host.
+    reading it (a ``DistributedOptimizer``'s torch optimizer over its shards alike). Any other
+    optimizer (one built outside ``build_optimizer``) cannot: the flag is read (one
+    synchronisation) and the step skipped on the host.
     """
     if not is_fused(optimizer):
         if not found_inf.item():
             optimizer.step()
         return
-    optimizer.found_inf = found_inf.float()
+    inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer of a DistributedOptimizer
+    inner.found_inf = found_inf.float()
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf
+        del inner.found_inf
 
 
 class LRSchedule:

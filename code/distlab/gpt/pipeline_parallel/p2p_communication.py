@@ -72,9 +72,26 @@ def exchange(
         dist.P2POp(dist.irecv, buf, state.stage_rank(s), group=state.pp_group)
         for buf, s in zip(received, recv_from, strict=True)
     ]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait(timeout=datetime.timedelta(seconds=spec.timeout_s))
+    try:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait(timeout=datetime.timedelta(seconds=spec.timeout_s))
+    except RuntimeError as exc:  # gloo's flight recorder lists no point-to-point op: say which
+        peers = [state.stage_rank(s) for _, s in sends] + [state.stage_rank(s) for s in recv_from]
+        what = ", ".join([f"isend to rank {state.stage_rank(s)}" for _, s in sends] +
+                         [f"irecv from rank {state.stage_rank(s)}" for s in recv_from])  # fmt: skip
+        raise PipelineTransferError(
+            f"{exc} (in the pipeline's {what}, shape {tuple(spec.shape)})", peers, what, spec.shape
+        ) from exc
     return received
+
+
+class PipelineTransferError(RuntimeError):
+    """A batched pipeline transfer that failed (a timeout: a peer stage never posted its half);
+    ``peers`` are the global ranks it exchanges with, ``what`` names the isends and irecvs."""
+
+    def __init__(self, message: str, peers: list[int], what: str, shape: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.peers, self.what, self.shape = peers, what, tuple(shape)
 
 
 def recv_forward(state: ParallelState, spec: P2PSpec) -> torch.Tensor | None:

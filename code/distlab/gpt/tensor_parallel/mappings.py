@@ -10,7 +10,14 @@ operator          forward                       backward
 ``g`` (reduce)    all-reduce: Y = sum_i X_i     identity: dX = dY
 scatter           keep my slice of the last dim all-gather the slices
 gather            all-gather the last dim       keep my slice
+gather (used      all-gather the last dim       reduce-scatter the last dim
+apart)
 ================  ============================  ===============================
+
+The second gather is for an output each rank then uses differently (grouped-query attention with
+fewer K/V groups than ranks takes its own group's slice, as megatron-core's
+``all_gather_last_dim_from_tensor_parallel_region``): the gradients of the whole differ per rank,
+so each rank's slice gets the sum of all of theirs.
 
 **Sequence parallelism** (``--sequence-parallel``; Korthikanti et al., 2022, section 4.2.2):
 outside the tensor-parallel GEMMs (LayerNorms, dropout, residual adds) each rank keeps ``T / p``
@@ -60,6 +67,7 @@ __all__ = [
     "reduce_from_tensor_parallel",
     "scatter_to_tensor_parallel",
     "gather_from_tensor_parallel",
+    "all_gather_last_dim",
     "reduce_scatter_to_sequence_parallel",
     "linear_with_sequence_gather",
     "group_size",
@@ -102,6 +110,14 @@ def _gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     parts = [torch.empty_like(x) for _ in range(p)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)  # p x (..., H_p) -> (..., H)
+
+
+def _reduce_scatter_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    p = group_size(group)
+    parts = [part.contiguous() for part in x.chunk(p, dim=-1)]  # p x (..., H_p)
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out  # (..., H_p): my slice of the sum
 
 
 def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -156,6 +172,11 @@ def scatter_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None)
 def gather_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Y = [X_1, ..., X_p] (last dim) forward, keep own slice backward; (..., H_p) -> (..., H)."""
     return x if group_size(group) == 1 else _Conjugate.apply(x, group, _gather_last, _split_last)
+
+
+def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Y = [X_1, ..., X_p] (last dim) forward, reduce-scatter of dY backward; (..., H_p) -> (..., H)."""
+    return x if group_size(group) == 1 else _Conjugate.apply(x, group, _gather_last, _reduce_scatter_last)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

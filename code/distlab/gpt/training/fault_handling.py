@@ -23,24 +23,26 @@ SIGUSR1 for ``--exit-signal SIGUSR1``), then waits ``--shutdown-timeout`` second
 
 **A hang** (a rank stopped, deadlocked or on a dead node): every other rank waits in its next
 collective until ``--distributed-timeout-minutes``, then gloo raises "Timed out waiting 6000ms for
-recv operation to complete", without saying for whom. :func:`missing_ranks` then asks
-``dist.monitored_barrier`` (gloo only: rank 0 waits for every rank, one by one, for the same time)
-which ranks do not answer, and rank 0 prints ``logs.formats.HANG``. On GPUs NCCL's watchdog thread does this
-job: it aborts a collective past the timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and its flight
-recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``) says which ranks never
-joined which collective.
+recv operation to complete", without saying for whom. Every rank that got that error then dumps its
+flight record (``distlab.flight_recorder``: the last collectives it entered, with group, sequence
+number and sizes) beside the others', waits up to ``HANG_GRACE_S`` for the other ranks' dumps and
+prints ``logs.formats.HANG``: the ranks that wrote none, the collective they did not join, on which
+node. No rank is special: a frozen rank 0 is named as any other (``dist.monitored_barrier``, which
+rank 0 runs, cannot). On GPUs NCCL's watchdog aborts a collective past the timeout
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and writes the same dumps itself
+(``TORCH_NCCL_DUMP_ON_TIMEOUT``, ``TORCH_FR_DUMP_TEMP_FILE``).
 """
 
 from __future__ import annotations
 
-import datetime
-import re
 import signal
 from types import FrameType
 
-import torch.distributed as dist
-
 from distlab.gpt.arguments.groups import SIGNALS
+
+#: Seconds a rank that timed out waits for the other ranks' flight-record dumps: the ranks that
+#: time out do so within about one iteration of each other; the report comes within the timeout + 30 s.
+HANG_GRACE_S = 10.0
 
 
 class ExitSignal:
@@ -75,18 +77,4 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "Timed out waiting" in str(exc)
 
 
-def missing_ranks(timeout_s: float) -> list[int] | None:
-    """After a timeout: the ranks that do not reach ``dist.monitored_barrier`` within ``timeout_s``
-    (collective; gloo only). Rank 0 gets the list ([] when everyone answered); the others, and
-    every rank of another backend, get None."""
-    if not dist.is_initialized() or dist.get_backend() != "gloo":
-        return None
-    try:
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
-    except RuntimeError as exc:  # rank 0: "Ranks 1, 3 failed to pass monitoredBarrier in 6000 ms"
-        found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
-        return [int(r) for r in found.group(1).split(",")] if found and dist.get_rank() == 0 else None
-    return [] if dist.get_rank() == 0 else None
-
-
-__all__ = ["SIGNALS", "ExitSignal", "is_timeout", "missing_ranks"]
+__all__ = ["HANG_GRACE_S", "SIGNALS", "ExitSignal", "is_timeout"]

@@ -14,6 +14,12 @@ Both are ``24 B s h^2 (1 + s/(6h)) (3 l + r) + 6 B s h V`` with ``r`` recomputed
 (:func:`model_flops_per_iteration`); selective recomputation redoes only the core attention and
 is not counted (model FLOPs, not hardware FLOPs).
 
+**Llama's blocks** change one block's forward per token (:func:`layer_forward_flops_per_token`):
+with n query heads of d channels and g K/V groups the qkv GEMM is ``2 H (n + 2g) d`` (GQA: a
+smaller K and V), attention ``4 s n d``, the projection ``2 n d H``; SwiGLU's MLP has three F x H
+matrices, ``6 H F``, against GeLU's ``4 H F``; an untied output layer costs what the tied one
+does (``2 H V``). RMSNorm, RoPE and the gating are elementwise, not counted (as Megatron).
+
 **Causal attention is counted in full** (``s/(6h)``): Q K^T and the scores times V are computed as
 whole ``s x s`` products by both attention backends, and PyTorch's FLOP counter counts them so
 (``tests/test_gpt_log.py`` checks the formula against ``torch.utils.flop_counter`` on the engine's
@@ -68,12 +74,28 @@ def recomputed_layers(args: PretrainArgs) -> int:
     return args.num_layers
 
 
+def layer_forward_flops_per_token(args: PretrainArgs) -> float:
+    """One block's forward FLOPs per token: ``2 H (n + 2g) d`` (qkv) + ``4 s n d`` (Q K^T and the
+    scores times V, in full) + ``2 n d H`` (projection) + ``2 H F`` x 2 matrices (GeLU) or x 3
+    (SwiGLU's gate, up and down), as Megatron-LM's ``transformer_flops`` counts grouped-query
+    attention and SwiGLU. GPT-2 (g = n, n d = H, F = 4H): ``24 H^2 + 4 s H``. ``args`` validated
+    (``--ffn-hidden-size`` filled in; 4H otherwise)."""
+    h, s = args.hidden_size, args.seq_length
+    q_width = h if args.kv_channels is None else args.kv_channels * args.num_attention_heads  # n d
+    kv_width = q_width  # g d
+    if args.group_query_attention:
+        kv_width = args.num_query_groups * (args.kv_channels or h // args.num_attention_heads)
+    ffn, matrices = args.ffn_hidden_size or 4 * h, 3 if args.swiglu else 2
+    return 2 * h * (q_width + 2 * kv_width) + 4 * s * q_width + 2 * q_width * h + 2 * h * ffn * matrices
+
+
 def model_flops_per_iteration(args: PretrainArgs, vocab_size: int) -> float:
-    """Forward + backward FLOPs of one global batch: 24 B s h^2 (1 + s/(6h)) (3 l + r) + 6 B s h V,
-    ``r`` = :func:`recomputed_layers` (see the module docstring)."""
+    """Forward + backward FLOPs of one global batch: ``B s ((3 l + r) f + 6 h V)``, ``f`` one
+    block's forward per token (:func:`layer_forward_flops_per_token`), ``r`` =
+    :func:`recomputed_layers`; for GPT-2 ``24 B s h^2 (1 + s/(6h)) (3 l + r) + 6 B s h V``."""
     B, s, layers, h = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size
     r = recomputed_layers(args)
-    return 24.0 * B * s * h * h * (1.0 + s / (6.0 * h)) * (3 * layers + r) + 6.0 * B * s * h * vocab_size
+    return float(B * s) * ((3 * layers + r) * layer_forward_flops_per_token(args) + 6.0 * h * vocab_size)
 
 
 def flops_line(args: PretrainArgs, vocab_size: int) -> str:
@@ -92,6 +114,7 @@ def counted_flops(
     batch: int,
     recompute_granularity: str | None = None,
     checkpoint_early_stop: bool = True,
+    **architecture,
 ) -> int:
     """FLOPs of one forward + backward of the engine's GPT on ``batch`` samples, as PyTorch's
     ``torch.utils.flop_counter.FlopCounterMode`` counts them (2 per multiply-add of every mm, addmm
@@ -100,7 +123,8 @@ def counted_flops(
     attention decomposes into the two products it stands for. With ``recompute_granularity="full"``
     every block is its own checkpointed group; PyTorch's non-reentrant checkpoint stops recomputing
     once the tensors backward needs are rebuilt (``checkpoint_early_stop``, its default), so the last
-    GEMM of each group (fc2, 8 B s h^2) is not run again, which the formula, as Megatron's, counts."""
+    GEMM of each group (fc2, 8 B s h^2) is not run again, which the formula, as Megatron's, counts.
+    ``architecture``: more ``GPTConfig`` fields (``swiglu``, ``num_query_groups``, ...)."""
     from torch.utils.checkpoint import set_checkpoint_early_stop
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -118,6 +142,7 @@ def counted_flops(
         recompute_granularity=recompute_granularity,
         recompute_method="uniform" if recompute_granularity == "full" else None,
         recompute_num_layers=1 if recompute_granularity == "full" else None,
+        **architecture,
     )
     with torch.device("meta"):
         model = GPTModel(cfg)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from distlab.gpt.context_parallel.ring_attention import ring_of, split_sequence
 from distlab.gpt.data.gpt_dataset import GPTDataset
+from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.distributed.grad_buckets import GradBuckets, default_bucket_size
 from distlab.gpt.distributed.gradients import finalize_gradients
 from distlab.gpt.interfaces import (
@@ -45,6 +46,7 @@ from distlab.gpt.moe.moe_layer import set_aux_loss_scale
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.optimizer.optimizer import step_unless
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.training.log import Timer
 from distlab.gpt.transformer.model import GPTModel
 
 
@@ -128,12 +130,16 @@ class LocalBackend:
         self.module, self.optimizer, self.state = model, optimizer, state
         self.clip_grad, self.scaler = clip_grad, scaler
         size = bucket_size if bucket_size is not None else default_bucket_size(state.dp * state.cp)
-        self.grad_buckets = GradBuckets(
-            list(model.parameters()),
-            state,
-            bucket_size=size,
-            overlap=overlap_grad_reduce,
-            reduce_dtype=reduce_dtype,
+        self.grad_buckets = (
+            optimizer.buffer  # --use-distributed-optimizer: reduce-scatters in its own buckets
+            if isinstance(optimizer, DistributedOptimizer)
+            else GradBuckets(
+                list(model.parameters()),
+                state,
+                bucket_size=size,
+                overlap=overlap_grad_reduce,
+                reduce_dtype=reduce_dtype,
+            )
         )
 
     def zero_grad(self) -> None:
@@ -147,14 +153,18 @@ class LocalBackend:
     def step(self) -> StepOutcome:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         scale = self.scaler.scale if self.scaler is not None else None
-        grads = finalize_gradients(
-            params,
-            self.module.tied_embedding(),
-            self.state,
-            loss_scale=scale,
-            clip_grad=self.clip_grad,
-            buckets=self.grad_buckets,
-        )
+        tied = self.module.tied_embedding()
+        if isinstance(self.optimizer, DistributedOptimizer):  # on this rank's shards
+            grads = self.optimizer.finalize_gradients(tied, loss_scale=scale, clip_grad=self.clip_grad)
+        else:
+            grads = finalize_gradients(
+                params,
+                tied,
+                self.state,
+                loss_scale=scale,
+                clip_grad=self.clip_grad,
+                buckets=self.grad_buckets,
+            )
         if self.scaler is not None:
             self.scaler.update(grads.overflow)
         if grads.overflow:
@@ -166,7 +176,8 @@ class LocalBackend:
         return StepOutcome(grads.norm, skipped=nonfinite, nonfinite=nonfinite)
 
     def close(self) -> None:
-        pass
+        if isinstance(self.optimizer, DistributedOptimizer):  # no all-gather left in flight
+            self.optimizer.buffer.finish_param_sync()
 
 
 def train_step(
@@ -176,20 +187,28 @@ def train_step(
     state: ParallelState,
     autocast: AutocastFn = contextlib.nullcontext,
     forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
+    time_forward_backward: bool = False,
 ) -> StepResult:
     """The one step loop: zero grads, forward/backward every micro-batch through the back end's
     hook, the mean loss over the data-parallel ranks, the back end's optimizer step. Without
-    ``--fp16`` nothing is read from the device (the result's scalars stay there). The MoE
+    ``--fp16`` nothing is read from the device (the result's scalars stay there); with
+    ``time_forward_backward`` (--log-straggler) the forward/backward's own time is measured, which
+    waits for the device (CUDA) at its start and its end. The MoE
     layers' aux losses get the lm loss's backward factor ``S / m`` (Megatron's
     ``MoEAuxLossAutoScaler.set_loss_scale`` in its forward step)."""
     backend.zero_grad()
     scaler = getattr(backend, "scaler", None)  # LocalBackend's (fp16); other back ends have no MoE
     set_aux_loss_scale(backend.module, (scaler.scale if scaler is not None else 1.0) / len(batches))
+    timer = Timer(batches[0][0].device) if time_forward_backward else None
     loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
+    # before the loss and gradient reductions wait for others
+    forward_backward_ms = 1000 * timer.lap() if timer is not None else 0.0
     loss = reduce_loss(loss, state)
     outcome = backend.step()
     nan = ~torch.isfinite(loss) | outcome.nonfinite  # on the device: nothing read here
-    return StepResult(loss, outcome.grad_norm, skipped=outcome.skipped, nan=nan)
+    return StepResult(
+        loss, outcome.grad_norm, skipped=outcome.skipped, nan=nan, forward_backward_ms=forward_backward_ms
+    )
 
 
 @torch.no_grad()

@@ -1,21 +1,27 @@
-"""GPT for one pipeline stage: pre-LayerNorm blocks, learned positions, tied embeddings.
+"""GPT for one pipeline stage: pre-norm blocks; GPT-2's or Llama's (``transformer/config.py``).
 
 For tokens ``x`` (b, T) (one micro-batch) and L blocks (notation: ``distlab.gpt``'s legend)::
 
-    h_0     = E[x] + P[0:T]                                   E: (V, H), P: (T_max, H)
-    a_l     = h_{l-1} + proj(attn(qkv(LN1(h_{l-1}))))         causal, heads of size H / n
-    h_l     = a_l + fc2(gelu(fc1(LN2(a_l))))                  fc1: H -> F, fc2: F -> H
-    logits  = LNf(h_L) E^T                                    (b, T, V), tied with E
+    h_0     = E[x] + P[0:T]                                   E: (V, H), P: (T_max, H) (learned only)
+    a_l     = h_{l-1} + proj(attn(qkv(N1(h_{l-1}))))          causal; RoPE rotates q and k
+    h_l     = a_l + mlp(N2(a_l))                              fc2(gelu(fc1 .)) or SwiGLU
+    logits  = Nf(h_L) W^T                                     (b, T, V); W = E tied, or output_layer
     loss    = cross_entropy(logits, labels)                   per token, (b, T)
 
+N is LayerNorm or RMSNorm (``norms.py``), attention is grouped-query (``attention.py``: n query
+heads, g K/V heads of d channels), the MLP GeLU or SwiGLU (``mlp.py``), positions learned, rotary
+(``rope.py``, at the tokens' global positions, computed once per stage and passed to every block)
+or none.
+
 Tensor parallelism (``tensor_parallel/layers.py``): ``qkv`` and ``fc1`` are column-parallel, ``proj``
-and ``fc2`` row-parallel, E is vocabulary-parallel and the loss is the vocabulary-parallel
-cross-entropy of the (b, T, V / tp) logit slices. With tp = 1 these are the same layers with
-no group: one code path for every layout. Sequence parallelism (``--sequence-parallel``) keeps
-the residual stream, the LayerNorms and dropout on this rank's T / tp positions, (b, T / tp, H),
-split along dim 1 from the embedding's reduce-scatter to the output layer's all-gather; only
-attention and the MLP's GeLU see the whole sequence (on their H / tp slice). The qkv output features are ordered
-``(head, {q,k,v}, head_dim)``, so a contiguous slice of rows is a set of whole heads.
+and ``fc2`` row-parallel, E (and an untied output layer) is vocabulary-parallel and the loss is the
+vocabulary-parallel cross-entropy of the (b, T, V / tp) logit slices. With tp = 1 these are the
+same layers with no group: one code path for every layout. Sequence parallelism
+(``--sequence-parallel``) keeps the residual stream, the norms and dropout on this rank's T / tp
+positions, (b, T / tp, H), split along dim 1 from the embedding's reduce-scatter to the output
+layer's all-gather; only attention and the MLP's activation see the whole sequence (on their
+H / tp slice). The qkv output features are ordered ``(group, [n/g q, k, v], d)``, so a contiguous
+slice of rows is a set of whole groups.
 
 Pipeline parallelism (``pipeline_parallel/schedules.py``): a stage holds the embedding only if it is the
 first, blocks ``[pp_rank L / pp, (pp_rank + 1) L / pp)`` (keyed by their *global* index), and
@@ -26,12 +32,16 @@ after chunk ``v - 1`` of the last; all chunks are one module, so the optimizer, 
 reduction and the checkpoints see every chunk's parameters, by their global names.
 A last stage that is not also the first holds its own copy of E (``output_weight``); the
 initialiser makes it equal to the first stage's E (same name, same seed), and ``distributed/gradients.py``
-sums the two gradients, so they stay equal.
+sums the two gradients, so they stay equal. Untied (``--untie-embeddings-and-output-weights``), the
+last stage's ``output_layer`` is a weight of its own, drawn from its own name, and nothing is summed.
 
 Mixture of experts (``moe/moe_layer.py``, ``moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
 becomes a router and E experts, split over the ep ranks of the layout's expert groups (and over
 tp, etp = tp); each layer attaches its ``coeff l_aux`` to its output for backward (the returned
 values stay the lm loss).
+
+Generation (``inference/kv_cache.py``): with a ``cache`` each block's attention appends its new
+keys and values (its g K/V heads) and attends to all of them; positions start after the cached ones.
 
 Context parallelism (``context_parallel/ring_attention.py``): with cp > 1 each rank holds T / cp tokens of
 every sample (two of 2 cp chunks, their global positions from ``context_parallel.positions``)
@@ -59,20 +69,17 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_attention, ring_of
+from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_of
 from distlab.gpt.layout import context_dropout_error, raise_errors, sequence_parallel_error
-from distlab.gpt.moe.moe_layer import MoEConfig, MoELayer
+from distlab.gpt.moe.moe_layer import MoELayer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import (
     ColumnParallelLinear,
-    RowParallelLinear,
     VocabParallelEmbedding,
     mark_sequence_parallel,
     parallel_lm_logits,
@@ -81,138 +88,21 @@ from distlab.gpt.tensor_parallel.layers import (
 )
 from distlab.gpt.tensor_parallel.mappings import gather_from_tensor_parallel
 from distlab.gpt.tensor_parallel.rng_tracker import checkpoint, fork_if
-from distlab.gpt.transformer.recompute import (
-    ATTENTION_BACKENDS,
-    EXPLICIT_BACKENDS,
-    checkpoint_groups,
-    recompute_errors,
-)
+from distlab.gpt.transformer.attention import SelfAttention
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.mlp import MLP
+from distlab.gpt.transformer.norms import Norm
+from distlab.gpt.transformer.recompute import checkpoint_groups, recompute_errors
+from distlab.gpt.transformer.rope import rotary_angles
 
 if TYPE_CHECKING:  # the cache lives in inference/, above this layer: the model only calls it
     from distlab.gpt.inference.kv_cache import KVCache, LayerCache
 
-
-@dataclass
-class GPTConfig:
-    """Model shape and initialisation (arithmetic: params ~ 12 L H^2 + V H + T_max H)."""
-
-    num_layers: int
-    """L, transformer blocks in the whole model (all stages)."""
-    hidden_size: int
-    """H, the residual stream width."""
-    num_attention_heads: int
-    """n, heads per block; head size is H / n."""
-    vocab_size: int
-    """V, the padded vocabulary (a multiple of make-vocab-size-divisible-by x tp)."""
-    max_position_embeddings: int
-    """T_max, learned positions."""
-    ffn_hidden_size: int | None = None
-    """F, MLP width; 4H when None."""
-    init_method_std: float = 0.02
-    """std of the normal init; proj and fc2 use std / sqrt(2L) (GPT-2 / Megatron)."""
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    recompute_granularity: str | None = None
-    """None, "selective" (checkpoint the core attention) or "full" (checkpoint whole blocks)."""
-    recompute_method: str | None = None
-    """With full granularity: "uniform" (groups of N blocks) or "block" (the stage's first N)."""
-    recompute_num_layers: int | None = None
-    """N, with full granularity: 1 <= N <= L / pp."""
-    attention_backend: str = "auto"
-    """auto, flash, fused: ``F.scaled_dot_product_attention``; unfused, local: :func:`unfused_attention`."""
-    seed: int = 1234
-    layernorm_epsilon: float = 1e-5
-    moe: MoEConfig | None = None
-    """None: dense MLPs; else every block's MLP is a mixture of experts."""
-    sequence_parallel: bool = False
-    """``--sequence-parallel``: activations outside the tp GEMMs split along T (needs tp > 1)."""
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-    def __post_init__(self) -> None:
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention backend {self.attention_backend!r} must be one of {ATTENTION_BACKENDS}"
-            )
-
-
-def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d) + causal mask) V, spelt out: q, k, v (b, n, T, d) -> (b, n, T, d).
-
-    Backward keeps the (b, n, T, T) probabilities, in fp32 (softmax's output; Megatron's
-    attention_softmax_in_fp32) and, under autocast, their half copy that multiplies V: the
-    scores term of Korthikanti's s b h (34 + 5as/h), which selective recomputation removes.
-    """
-    T, d = q.shape[-2], q.shape[-1]
-    future = torch.full((T, T), float("-inf"), device=q.device).triu(1)  # (T, T): -inf above the diagonal
-    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(d)) + future  # (b, n, T, T)
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # stored for backward
-    if dropout_p:
-        probs = F.dropout(probs, dropout_p)
-    return torch.matmul(probs, v)  # (b, n, T, d)
-
-
-class SelfAttention(nn.Module):
-    """Causal multi-head attention; this rank computes ``n / tp`` whole heads."""
-
-    def __init__(self, cfg: GPTConfig, group, ring: Ring | None = None) -> None:
-        super().__init__()
-        self.ring = ring  # cp > 1: ring attention over the context-parallel group
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.dropout = cfg.attention_dropout
-        self.explicit = cfg.attention_backend in EXPLICIT_BACKENDS
-        self.recompute = cfg.recompute_granularity == "selective"
-        sp = cfg.sequence_parallel
-        self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, 3 * cfg.hidden_size, group=group, sequence_parallel=sp
-        )
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, group=group, sequence_parallel=sp)
-
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        # x: (b, T, H) replicated over the tp ranks, or (b, T/tp, H) with sequence parallelism
-        qkv = self.qkv(x)  # f (or all-gather along T), then (b, T, 3H/tp)
-        b, T, _ = qkv.shape
-        # n/tp heads: as many as the output holds (DTensor's ColwiseParallel shards an unsharded layer)
-        q, k, v = qkv.view(b, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        if cache is not None:  # generation: the T new queries against every key so far
-            y = cached_attention(q, *cache.update(k, v))  # keys, values: (b, n/tp, P + T, H/n)
-        elif self.recompute and self.training:  # selective: keep q, k, v; rebuild the rest in backward
-            y = checkpoint(self.core_attention, q, k, v)  # replays both random streams
-        else:
-            y = self.core_attention(q, k, v)
-        y = y.transpose(1, 2).flatten(2)  # (b, T, H/tp)
-        return self.proj(y)  # partial (b, T, H) per rank, then g (all-reduce) or g-bar (reduce-scatter)
-
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(Q K^T / sqrt(d)) V, causal: each (b, n/tp, T, H/n) -> (b, n/tp, T, H/n)
-        (T / cp queries against all T keys with context parallelism)."""
-        if self.ring is not None:
-            return ring_attention(q, k, v, self.ring)
-        p = self.dropout if self.training else 0.0
-        with fork_if(p > 0):  # this rank's heads: masks from the model-parallel stream (Megatron's)
-            if self.explicit:
-                return unfused_attention(q, k, v, p)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # stores no scores
-
-
-class MLP(nn.Module):
-    """H -> F -> GELU -> H, with F split over the tp ranks."""
-
-    def __init__(self, cfg: GPTConfig, group) -> None:
-        super().__init__()
-        sp = cfg.sequence_parallel
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn, group=group, sequence_parallel=sp)
-        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden_size, group=group, sequence_parallel=sp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (b, T, H), or (b, T/tp, H) with SP
-        y = F.gelu(self.fc1(x))  # f (or all-gather), then (b, T, F/tp): nothing between fc1 and fc2
-        return self.fc2(y)  # partial (b, T, H) per rank, then g (all-reduce) or g-bar (reduce-scatter)
+__all__ = ["Block", "GPTConfig", "GPTModel", "init_parameters"]
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: per direction, one f and one g around attention and
+    """Pre-norm transformer block: per direction, one f and one g around attention and
     around the MLP, so 2 all-reduces forward and 2 backward when tp > 1. With sequence
     parallelism: 2 all-gathers and 2 reduce-scatters forward; backward 2 reduce-scatters and
     4 all-gathers (2 of them gather the GEMM inputs again for the weight gradients)."""
@@ -221,9 +111,9 @@ class Block(nn.Module):
         self, cfg: GPTConfig, group, state: ParallelState | None = None, ring: Ring | None = None
     ) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln1 = _norm(cfg)
         self.attn = SelfAttention(cfg, group, ring)
-        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln2 = _norm(cfg)
         if cfg.moe is None:
             self.mlp = MLP(cfg, group)
         else:  # the experts of this rank's place in its expert-parallel group
@@ -239,11 +129,18 @@ class Block(nn.Module):
             for p in (*self.ln1.parameters(), *self.ln2.parameters()):
                 mark_sequence_parallel(p)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        # (b, T, H) -> (b, T, H); T/tp with SP
+    def forward(
+        self, x: torch.Tensor, *, rotary: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """(b, T, H) -> (b, T, H), T/tp with SP; ``rotary``: RoPE's (T, d_rot) angles or None;
+        ``cache``: this block's keys and values so far (generation)."""
         with fork_if(self.sequence_parallel and self.dropout and self.training):
-            x = x + self.drop(self.attn(self.ln1(x), cache))
+            x = x + self.drop(self.attn(self.ln1(x), rotary=rotary, cache=cache))
             return x + self.drop(self.mlp(self.ln2(x)))
+
+
+def _norm(cfg: GPTConfig) -> Norm:
+    return Norm(cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, cfg.layernorm_zero_centered_gamma)
 
 
 class GPTModel(nn.Module):
@@ -262,12 +159,22 @@ class GPTModel(nn.Module):
             context_dropout_error(cp, cfg.attention_dropout),
             sequence_parallel_error(cfg.sequence_parallel, tp),
         )
-        self.sp_rank = state.tp_rank if cfg.sequence_parallel else 0  # which T/tp positions are here
+        sp = cfg.sequence_parallel
+        self.sp_size, self.sp_rank = (tp, state.tp_rank) if sp else (1, 0)  # which T/tp positions are here
+        self.learned = cfg.position_embedding_type == "learned_absolute"
+        self.rotary_dim = (
+            int(cfg.head_dim * cfg.rotary_percent) if cfg.position_embedding_type == "rope" else 0
+        )
         if self.is_first:
             self.wte = VocabParallelEmbedding(
-                cfg.vocab_size, cfg.hidden_size, group=self.tp_group, sequence_parallel=cfg.sequence_parallel
+                cfg.vocab_size, cfg.hidden_size, group=self.tp_group, sequence_parallel=sp
             )
-            self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # P: (T_max, H)
+            if self.learned:
+                self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # P: (T_max, H)
+                if sp:
+                    mark_sequence_parallel(
+                        self.wpe.weight
+                    )  # rank r adds (and differentiates) rows of its T/tp
             self.drop = nn.Dropout(cfg.hidden_dropout)
         self.chunks, self.per_chunk = vp, cfg.num_layers // (pp * vp)
         errors = recompute_errors(
@@ -287,17 +194,19 @@ class GPTModel(nn.Module):
             }
         )
         if self.is_last:
-            self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-            if not self.is_first:  # own copy of E: (V / tp, H), rows split as the first stage's
+            self.ln_f = _norm(cfg)
+            if cfg.untie_embeddings_and_output_weights:  # its own (V / tp, H), vocabulary-parallel
+                self.output_layer = ColumnParallelLinear(
+                    cfg.hidden_size, cfg.vocab_size, group=self.tp_group, bias=False, sequence_parallel=sp
+                )
+            elif not self.is_first:  # own copy of E: (V / tp, H), rows split as the first stage's
                 self.output_weight = nn.Parameter(torch.empty(cfg.vocab_size // tp, cfg.hidden_size))
                 self.output_weight.partition_dim = 0
                 self.output_weight.init_name = "wte.weight"  # drawn as E: equal from the start
                 self.output_weight.shared_embedding = True  # counted once by the gradient norm
-            if cfg.sequence_parallel:
-                mark_sequence_parallel(self.ln_f.weight)
-                mark_sequence_parallel(self.ln_f.bias)
-        if self.is_first and cfg.sequence_parallel:
-            mark_sequence_parallel(self.wpe.weight)  # rank r adds (and differentiates) rows of its T/tp
+            if sp:
+                for p in self.ln_f.parameters():
+                    mark_sequence_parallel(p)
         self.input_tensor: torch.Tensor | None = None  # hidden states from the previous stage
         init_parameters(self, cfg, state)
 
@@ -306,15 +215,26 @@ class GPTModel(nn.Module):
         self.input_tensor = tensor
 
     def output_embedding(self) -> torch.Tensor:
-        """E as the output layer uses it (this stage's own copy when it is not the first)."""
+        """The output layer's (V / tp, H) weight: its own when untied, else E (this stage's own
+        copy of it when the stage is not the first)."""
+        if self.cfg.untie_embeddings_and_output_weights:
+            return self.output_layer.weight
         return self.wte.weight if self.is_first else self.output_weight
 
     def tied_embedding(self) -> torch.Tensor | None:
-        """E on the first and the last stage when they are different stages, else None: the
-        weight whose two gradients ``gradients.reduce_gradients`` sums."""
-        if self.is_first == self.is_last:
+        """E on the last stage when it is tied and the first and last are different stages, else
+        None: the weight whose two gradients ``gradients.reduce_gradients`` sums."""
+        if self.is_first == self.is_last or self.cfg.untie_embeddings_and_output_weights:
             return None
         return self.output_embedding()
+
+    def positions(self, length: int, device: torch.device, first: int = 0) -> torch.Tensor:
+        """Global positions (length,) of the ``length`` tokens of each sample attention sees on this
+        rank: its two chunks' with context parallelism, else first .. first + length - 1 (``first``:
+        the tokens already in a KV cache)."""
+        if self.ring is not None:
+            return positions(length, self.ring, device)
+        return torch.arange(first, first + length, device=device)
 
     def forward(
         self,
@@ -328,27 +248,27 @@ class GPTModel(nn.Module):
         rank's T / cp tokens with context parallelism; T / tp outside the GEMMs with SP). With a
         ``cache`` (generation, one whole model: ``distlab.gpt.inference.kv_cache``) the tokens sit
         at positions ``cache.length`` on, and every block appends its keys and values to it."""
+        cached = cache.length if cache is not None else 0
         if self.is_first and chunk == 0:
+            pos = self.positions(tokens.shape[1], tokens.device, cached)  # (T,), global
             h = self.wte(tokens)  # (b, T, H), or this rank's (b, T/tp, H) with SP
-            if self.ring is not None:  # CP: this rank's two chunks of the sequence
-                pos = positions(tokens.shape[1], self.ring, tokens.device)
-            else:
-                first = self.sp_rank * h.shape[1]  # SP: my positions start at tp_rank x T/tp
-                first += cache.length if cache is not None else 0  # after the cached tokens
-                pos = torch.arange(first, first + h.shape[1], device=tokens.device)
+            if self.learned:
+                h = h + self.wpe(pos.chunk(self.sp_size)[self.sp_rank])  # SP: my T/tp positions' rows
             # SP: this rank's T/tp positions, from the model-parallel stream (Megatron drops out
             # after the scatter); else (b, T, H), alike on the tp ranks, from the default stream
             sharded = self.cfg.sequence_parallel and self.cfg.hidden_dropout > 0 and self.training
             with fork_if(sharded):
-                h = self.drop(h + self.wpe(pos))  # (b, T, H) or (b, T/tp, H)
+                h = self.drop(h)  # (b, T, H) or (b, T/tp, H)
         else:
             h = self.input_tensor
+            pos = self.positions(h.shape[1] * self.sp_size, h.device, cached) if self.rotary_dim else None
+        rotary = rotary_angles(pos, self.rotary_dim, self.cfg.rotary_base) if self.rotary_dim else None
         blocks = list(self.layers.values())[chunk * self.per_chunk : (chunk + 1) * self.per_chunk]
         for first, end, checkpointed in self.groups:  # full recomputation: keep each group's input only
             if checkpointed and self.training:
-                h = checkpoint(_run_blocks, blocks[first:end], h)  # replays both random streams
+                h = checkpoint(_run_blocks, blocks[first:end], h, rotary)  # replays both random streams
             else:
-                h = _run_blocks(blocks[first:end], h, cache)
+                h = _run_blocks(blocks[first:end], h, rotary, cache)
         if not (self.is_last and chunk == self.chunks - 1):
             return h
         logits = parallel_lm_logits(  # (b, T, V/tp): all-gathered along T first with SP
@@ -359,18 +279,12 @@ class GPTModel(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group)  # (b, T), fp32
 
 
-def _run_blocks(blocks: list[Block], h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-    for block in blocks:
-        h = block(h, cache.layer(block) if cache is not None else None)  # (b, T, H)
+def _run_blocks(
+    blocks: list[Block], h: torch.Tensor, rotary: torch.Tensor | None, cache: KVCache | None = None
+) -> torch.Tensor:
+    for block in blocks:  # keywords: DTensor's input plans see h alone
+        h = block(h, rotary=rotary, cache=cache.layer(block) if cache is not None else None)  # (b, T, H)
     return h
-
-
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d) + M) V for the last T of P + T positions: q (b, n, T, d), k and v
-    (b, n, P + T, d) -> (b, n, T, d); query i sees keys 0 .. P + i (M: -inf elsewhere)."""
-    T, S = q.shape[-2], k.shape[-2]
-    sees = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, P + T)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=sees)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -381,7 +295,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def init_parameters(model: nn.Module, cfg: GPTConfig, state: ParallelState | None) -> None:
     """Layout-independent init: the unsharded tensor from (seed, global name), then this rank's shard.
 
-    LayerNorm weights 1, biases 0; ``proj``/``fc2`` weights N(0, std / sqrt(2L)); the rest N(0, std).
+    Norm weights 1 (0 with ``--apply-layernorm-1p``), biases 0; ``proj``/``fc2`` weights
+    N(0, std / sqrt(2L)); the rest N(0, std), the untied ``output_layer`` included (Megatron's
+    ``init_method``).
     """
     tp, tp_rank = (state.tp, state.tp_rank) if state is not None else (1, 0)
     for name, p in model.named_parameters():
@@ -391,7 +307,7 @@ def init_parameters(model: nn.Module, cfg: GPTConfig, state: ParallelState | Non
             p.zero_()
             continue
         if leaf[-2].startswith("ln"):
-            p.fill_(1.0)
+            p.fill_(model.get_submodule(name.rsplit(".", 1)[0]).init_value)
             continue
         std = cfg.init_method_std
         if leaf[-2] in ("proj", "fc2"):

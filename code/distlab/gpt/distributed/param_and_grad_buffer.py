@@ -1,0 +1,179 @@
+"""Contiguous parameter and fp32 gradient buffers in buckets, for the distributed optimizer
+(Megatron Core's ``_ParamAndGradBuffer``, ``--use-distributed-optimizer``).
+
+Contract. The dense parameters, cut into the buckets of ``grad_buckets.assign_buckets`` (reverse
+registration order, ``--ddp-bucket-size`` elements), are copied into one flat buffer per bucket
+and become views of it (``p.data``), in the model's dtype; each gets ``p.main_grad``, a view of a
+flat gradient buffer of the same layout, fp32 (bf16 with ``--grad-reduce-in-bf16``). Each bucket is padded to a multiple of
+``d = dp x cp`` (``state.dp_cp_group``) and cut into ``d`` equal shards; rank ``r`` owns
+``[r S, (r + 1) S)`` with ``S = padded / d``::
+
+    bucket   | p3 ........ | p2 .... | p1 ...... | pad |     padded = ceil(n / d) d
+    shards   | rank 0   | rank 1   | rank 2   | rank 3   |     S elements each
+
+    backward        p.main_grad += p.grad (a hook), p.grad = None
+    reduce_scatter  shard_r(main_grad) = (1 / d) sum_ranks main_grad   (one per bucket)
+    (optimizer)     updates the fp32 main parameters of shard_r only
+    all_gather      param_buffer = concat_r shard_r(param_buffer)      (one per bucket)
+
+Bytes per parameter on a rank (parameters in ``k`` bytes): ``k`` for the parameter and 4 for its
+fp32 gradient here (2 in bf16); ``distrib_optimizer.py`` adds the 12 / d (bf16: fp32 main copy + two moments)
+or 8 / d (fp32: the moments; the parameter is its own main copy).
+
+``overlap_grad_reduce``: the last gradient of a bucket accumulated during the step's last
+micro-batch starts its reduce-scatter at once (held back: the bucket of the tied embedding, whose
+two stages' gradients are summed first). ``overlap_param_gather``: after the step only the bucket
+the forward needs first (the last one) starts its all-gather; a module's forward pre-hook waits for
+the bucket of its parameters and starts the next one (Megatron's chain). Without them the same
+collectives run one after the other, with the same sums: the flags move when, never what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distlab.gpt.distributed.grad_buckets import assign_buckets
+from distlab.gpt.parallel_state import ParallelState
+
+
+class Bucket:
+    """One bucket's buffers, this rank's shard of them, and its collectives in flight."""
+
+    def __init__(
+        self, params: list[nn.Parameter], d: int, rank: int, dtype: torch.dtype, grad_dtype: torch.dtype
+    ) -> None:
+        self.params, self.numel = params, sum(p.numel() for p in params)
+        self.shard_size = -(-self.numel // d)  # S = ceil(n / d)
+        device = params[0].device
+        self.param_data = torch.zeros(self.shard_size * d, dtype=dtype, device=device)  # (S d,)
+        self.grad_data = torch.zeros(self.shard_size * d, dtype=grad_dtype, device=device)  # (S d,)
+        self.offsets, offset = [], 0
+        for p in params:
+            self.offsets.append(offset)
+            self.param_data[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.param_data[offset : offset + p.numel()].view(p.shape)
+            p.main_grad = self.grad_data[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        self.start, self.end = rank * self.shard_size, (rank + 1) * self.shard_size  # this rank's
+        self.ready, self.grad_work, self.param_work = 0, None, None
+
+    def grad_shard(self) -> torch.Tensor:
+        return self.grad_data[self.start : self.end]  # (S,)
+
+    def param_shard(self) -> torch.Tensor:
+        return self.param_data[self.start : self.end]  # (S,)
+
+
+class ParamAndGradBuffer:
+    """The dense ``params`` (registration order) in bucketed buffers sharded over dp x cp."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        state: ParallelState,
+        *,
+        bucket_size: int,
+        dtype: torch.dtype,
+        grad_dtype: torch.dtype = torch.float32,  # --grad-reduce-in-bf16: bf16
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        hold: torch.Tensor | None = None,  # its bucket waits for finish (the tied embedding)
+    ) -> None:
+        self.group, self.d = state.dp_cp_group, state.dp * state.cp
+        rank = dist.get_rank(self.group) if self.d > 1 else 0
+        self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        dense = [p for p in params if p.requires_grad]
+        self.buckets = [
+            Bucket(b, self.d, rank, dtype, grad_dtype) for b in assign_buckets(dense, bucket_size)
+        ]
+        self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.params}
+        self.held = {self.bucket_of[hold]} if hold is not None and hold in self.bucket_of else set()
+        self.pending: set[int] = set()  # buckets whose all-gather has not been waited for
+        self.last_micro_batch = True  # armed by the back end for the last backward of a step
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._accumulate)
+
+    def _accumulate(self, p: nn.Parameter) -> None:
+        """Hook: ``p.main_grad += p.grad``, drop ``p.grad``; a full bucket may start."""
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        i = self.bucket_of[p]
+        if not (self.overlap_grad_reduce and self.last_micro_batch) or i in self.held:
+            return
+        bucket = self.buckets[i]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._reduce_scatter(bucket, async_op=True)
+
+    def _reduce_scatter(self, bucket: Bucket, async_op: bool) -> None:
+        if self.d > 1:  # in place: the output is this rank's shard of the input, as Megatron's
+            bucket.grad_work = dist.reduce_scatter_single(
+                bucket.grad_shard(), bucket.grad_data, group=self.group, async_op=async_op
+            )
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.grad_data.zero_()
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Start the buckets not yet started, wait for all; this rank's shards hold the mean."""
+        for bucket in self.buckets:
+            if bucket.grad_work is None:
+                self._reduce_scatter(bucket, async_op=False)
+        for bucket in self.buckets:
+            if bucket.grad_work is not None:
+                bucket.grad_work.wait()
+            bucket.grad_shard().div_(self.d)
+            bucket.grad_work, bucket.ready = None, 0
+
+    @torch.no_grad()
+    def start_param_sync(self) -> None:
+        """All-gather the updated shards: every bucket now, or (overlap) the forward's first."""
+        if self.d == 1:
+            return
+        self.pending = set(range(len(self.buckets)))
+        if self.overlap_param_gather:
+            self._all_gather(len(self.buckets) - 1)  # forward order: the last bucket first
+        else:
+            self.finish_param_sync()
+
+    def _all_gather(self, i: int) -> None:
+        bucket = self.buckets[i]
+        if i in self.pending and bucket.param_work is None:
+            bucket.param_work = dist.all_gather_single(
+                bucket.param_data, bucket.param_shard(), group=self.group, async_op=True
+            )
+
+    def wait_param_sync(self, i: int) -> None:
+        """Bucket ``i``'s parameters are whole on return; the next bucket's all-gather starts."""
+        if i not in self.pending:
+            return
+        self._all_gather(i)
+        if i > 0:  # Megatron's chain: the next bucket in forward order goes on the wire
+            self._all_gather(i - 1)
+        self.buckets[i].param_work.wait()
+        self.buckets[i].param_work = None
+        self.pending.discard(i)
+
+    def finish_param_sync(self) -> None:
+        """Every pending all-gather started and waited for (before a save, an evaluation's end)."""
+        for i in reversed(range(len(self.buckets))):
+            self.wait_param_sync(i)
+
+    def register_forward_pre_hooks(self, model: nn.Module) -> None:
+        """``--overlap-param-gather``: each module waits for its own parameters' buckets."""
+        for module in model.modules():
+            owned = sorted(
+                {self.bucket_of[p] for p in module.parameters(recurse=False) if p in self.bucket_of}
+            )
+            if owned:
+                module.register_forward_pre_hook(lambda _m, _a, owned=owned: self._wait_all(owned))
+
+    def _wait_all(self, buckets: list[int]) -> None:
+        for i in reversed(buckets):
+            self.wait_param_sync(i)

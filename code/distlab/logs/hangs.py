@@ -1,0 +1,102 @@
+"""The log of a run that hung or crawled (notebook 12): who did not join, who is slow, and the check.
+
+A hang (``distlab.flight_recorder``, printed by every rank that timed out)::
+
+    > hang: a collective of iteration 8 waited 6.0 s (--distributed-timeout-minutes); no answer from ranks [2]
+    > hang: ranks [2] did not join gloo:all_reduce #31 of group 3 (dp) [0, 2], sizes [[4161]]: rank 2 on node2 (pid 812)
+
+A straggler (``--log-straggler``, rank 0, every ``--log-interval``; with ``--straggler-minmax-count
+N`` the N lowest and highest ``TFLOP/s/rank`` pairs after it)::
+
+    > straggler: iteration 10 | MnRtt/Rnk: 21.30ms/0 | MxRtt/Rnk: 58.12ms/2 | MnEtpt/Rnk: 1.2E-04TF/2 | ...
+    ^^^^ Bottom 2 Ranks with lowest  Etpt(TF): 1.2E-04/2, 3.1E-04/1,
+
+The exercise: a job whose batch script freezes or slows one random rank and keeps what it did in
+``jobs/.answer-<job id>`` ("hang 2", "straggler 1"); :func:`check_fault` compares the learner's
+answer with it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from distlab.checks import FIXME, check
+from distlab.logs.formats import HANG, STRAGGLER
+
+_PAIR = re.compile(r"([-+0-9.E]+)/(\d+),")
+_DID_NOT_JOIN = re.compile(r"> hang: ranks \[([\d, ]+)\] did not join (.+?): rank")
+
+
+def hung_ranks(text: str) -> list[int] | None:
+    """The ranks the first hang report names (None: no report)."""
+    found = HANG.search(text)
+    return None if found is None else [int(r) for r in found["ranks"].split(",") if r.strip()]
+
+
+def missed_collectives(text: str) -> list[str]:
+    """The collectives the report says the missing ranks did not join (each once)."""
+    return list(dict.fromkeys(m.group(2) for m in _DID_NOT_JOIN.finditer(text)))
+
+
+def slowest_ranks(text: str, after: int = 0) -> list[int]:
+    """The rank of the longest forward-backward time (MxRtt) of every straggler report of an
+    iteration above ``after``."""
+    return [r["max_rank"] for r in STRAGGLER.parse(text) if r["iteration"] > after]
+
+
+def rank_tflops(text: str) -> dict[int, list[tuple[int, float]]]:
+    """rank -> [(iteration, TFLOP/s)] from the Bottom/Top lines after each straggler report (every
+    rank when the minmax count is half the world)."""
+    series: dict[int, list[tuple[int, float]]] = {}
+    iteration = None
+    for line in text.splitlines():
+        report = STRAGGLER.search(line)
+        if report is not None:
+            iteration = report["iteration"]
+        elif line.startswith("^^^^") and iteration is not None:
+            for tf, rank in _PAIR.findall(line):
+                points = series.setdefault(int(rank), [])
+                if not points or points[-1][0] != iteration:
+                    points.append((iteration, float(tf)))
+    return series
+
+
+def lowest_throughput_rank(text: str, after: int = 0) -> int | None:
+    """The rank of the lowest mean TFLOP/s over the reports of iterations above ``after`` (every
+    rank's throughput is in the reports when the minmax count is half the world); None: no reports.
+    A mean over many intervals: one interval's minimum moves with a loaded machine's noise."""
+    means = {
+        rank: sum(tf for _, tf in late) / len(late)
+        for rank, points in rank_tflops(text).items()
+        if (late := [p for p in points if p[0] > after])
+    }
+    return min(means, key=means.get) if means else None
+
+
+def check_fault(answer: tuple | str, job_id: int | str | None, folder: str | Path = "jobs") -> bool:
+    """The exercise: ``answer`` = (fault, rank), fault "hang" or "straggler", against what the job's
+    batch script did (``<folder>/.answer-<job id>``)."""
+    name = "the hidden fault"
+    if job_id is None:
+        return check(name, FIXME, expected=True)
+    fault, rank = (Path(folder) / f".answer-{job_id}").read_text().split()
+    check(
+        f"{name}: its kind", answer[0] if isinstance(answer, tuple) else answer, expected=fault,
+        hint="a hang ends the job with '> hang' lines after the timeout; a straggler finishes, slowly, "
+        "and --log-straggler names it",
+    )  # fmt: skip
+    return check(
+        f"{name}: its rank", answer[1], expected=int(rank),
+        hint="the hang report's 'no answer from ranks [r]', or the straggler report's MxRtt/Rnk and MnEtpt/Rnk",
+    )  # fmt: skip
+
+
+__all__ = [
+    "check_fault",
+    "hung_ranks",
+    "lowest_throughput_rank",
+    "missed_collectives",
+    "rank_tflops",
+    "slowest_ranks",
+]
