@@ -337,7 +337,7 @@ def _refusal(flags: str, world: int) -> str:
         ("--num-experts 4 --expert-model-parallel-size 2 --save /nonexistent --ckpt-format torch_dist", 2,
          ["--expert-model-parallel-size 2 and --ckpt-format torch_dist", "use --ckpt-format torch"]),
         ("--num-experts 4 --ffn-hidden-size 31 --tensor-model-parallel-size 2 --sequence-parallel", 2,
-         ["the experts' FFN width 31", "not divisible by --tensor-model-parallel-size 2"]),
+         ["--ffn-hidden-size 31 (the MLP width)", "divisible by --tensor-model-parallel-size 2"]),
         ("--num-experts 4 --tensor-parallel-impl dtensor --tensor-model-parallel-size 2 --sequence-parallel", 2,
          ["--num-experts with --tensor-parallel-impl dtensor"]),
         ("--num-experts 8 --expert-model-parallel-size 8 --context-parallel-size 2", 4,
