@@ -101,7 +101,7 @@ def _worker(ctx: DistContext, out: str) -> None:
     model, opt = _model_and_optimizer()
     # the engine's own data parallelism: one flat all-reduce of the gradients, what DDP computes
     local = LocalBackend(model, opt, state, clip_grad=1.0)
-    losses = {"ddp": [train_step(local, _batches(rank), state=state).loss for _ in range(STEPS)]}
+    losses = {"ddp": [float(train_step(local, _batches(rank), state=state).loss) for _ in range(STEPS)]}
     memory = {}
     for stage, offload in STAGES:
         zero = {"stage": stage}
@@ -114,7 +114,7 @@ def _worker(ctx: DistContext, out: str) -> None:
         engine = dse.initialize(*_model_and_optimizer(), cfg)
         name = f"zero{stage}" + ("_offload" if offload else "")
         backend = dse.DeepSpeedBackend(engine)  # the same step loop, DeepSpeed's hooks
-        losses[name] = [train_step(backend, _batches(rank), state=state).loss for _ in range(STEPS)]
+        losses[name] = [float(train_step(backend, _batches(rank), state=state).loss) for _ in range(STEPS)]
         memory[name] = dse.zero_memory_stats(engine)
         memory[name]["full"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                    for p in engine.module.parameters())  # fmt: skip

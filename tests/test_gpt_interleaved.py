@@ -190,9 +190,12 @@ def test_estimate_of_interleaving(p: int, v: int, m: int) -> None:
     v m chunk-forwards fit in the warm-up (p = 4, m = 4: all 8 then)."""
     plain = setup(num_layers=16, pp=p, num_micro_batches=m)
     inter = setup(num_layers=16, pp=p, vp=v, num_micro_batches=m)
-    ratio = activation_bytes(inter) / activation_bytes(plain)  # per stage-activation of 1F1B's p
+    kept = {c: chunks_in_flight(c) * chunk_layers_bytes(c) for c in (plain, inter)}  # in flight
+    ratio = kept[inter] / kept[plain]  # per stage-activation of 1F1B's p
     expected = min(p * (1 + (p - 1) / (p * v)), m) / min(p, m)
     assert ratio == pytest.approx(expected)
+    # the peak adds what the last block's backward holds beyond what it kept: alike in both
+    assert activation_bytes(inter) - kept[inter] == pytest.approx(activation_bytes(plain) - kept[plain])
     assert chunk_layers_bytes(inter) * v == pytest.approx(stage_layers_bytes(plain))
     assert estimate(inter).parameters == estimate(plain).parameters  # the same L / pp layers
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 4 x 4 virtual stages per rank = 16"):
@@ -229,7 +232,7 @@ def train(model: GPTModel, state: ParallelState, batches: list, fb=None) -> tupl
     backend = LocalBackend(model, SGD(model.parameters(), lr=0.1), state, clip_grad=1.0)
     kw = {} if fb is None else {"forward_backward_fn": fb}
     results = [train_step(backend, batches, state=state, **kw) for _ in range(STEPS)]
-    return [r.loss for r in results], [r.grad_norm for r in results]
+    return [float(r.loss) for r in results], [float(r.grad_norm) for r in results]
 
 
 def run_layout(pp: int, out: Path) -> None:
@@ -266,7 +269,7 @@ def run_layout(pp: int, out: Path) -> None:
     finally:
         dist.batch_isend_irecv = real
     with torch.no_grad():  # evaluation: the interleaved order's forwards only
-        evaluated = reduce_loss(fb(model, local, forward_only=True), state)
+        evaluated = float(reduce_loss(fb(model, local, forward_only=True), state))
     assert evaluated == pytest.approx(ref_eval, rel=1e-6, abs=1e-6)
 
     what = f"PP{pp} x v2 x DP{dp} rank {state.rank}"

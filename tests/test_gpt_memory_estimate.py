@@ -16,11 +16,11 @@ from distlab.gpt.memory.memory_estimate import (
     estimate,
     format_prediction,
     korthikanti_layer_bytes,
-    num_parameters,
     stage_layers_bytes,
     stage_parameters,
 )
 from distlab.gpt.memory.meters import cpu_peak_since, reset_cpu_peak
+from distlab.gpt.memory.parameters import num_parameters
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
 SBH = 128 * 4 * 64  # s=128, b=4, h=64: 32,768 values
@@ -69,9 +69,37 @@ def test_activations_head_recompute_and_pipeline() -> None:
     assert activation_bytes(tiny()) == 4 * 64 * SBH + head
     # recompute: 4 inputs kept; the head's backward (bigger here) ends before a block is rebuilt
     assert activation_bytes(tiny(**FULL_1)) == 4 * 4 * SBH + head
-    # 1F1B on the first of 2 stages: 2 layers x min(pp, M) = 2 micro-batches; GPipe keeps all 8
-    assert activation_bytes(tiny(pp=2, num_micro_batches=8)) == 2 * 64 * SBH * 2
-    assert activation_bytes(tiny(pp=2, num_micro_batches=8, pipeline_schedule="gpipe")) == 2 * 64 * SBH * 8
+    # 1F1B on the first of 2 stages: 2 layers x min(pp, M) = 2 micro-batches; GPipe keeps all 8;
+    # no head there: the peak is the last block's MLP backward, with the residual's fp32 gradient
+    # (4 sbh) and fc2's output and GeLU's gradients (fp32: 4 (1 + 4) sbh)
+    assert activation_bytes(tiny(pp=2, num_micro_batches=8)) == 2 * 64 * SBH * 2 + 24 * SBH
+    gpipe = tiny(pp=2, num_micro_batches=8, pipeline_schedule="gpipe")
+    assert activation_bytes(gpipe) == 2 * 64 * SBH * 8 + 24 * SBH
+
+
+def test_backward_of_a_rebuilt_block() -> None:
+    """Selective recomputation rebuilds a block's scores and its attention backward holds
+    12 b a s^2 bytes beside what the other blocks keep; full recomputation rebuilds a whole block
+    next to the gradients made so far (module docstring of memory_estimate)."""
+    bas2 = 4 * 4 * 128 * 128  # b a s^2
+    c = tiny(precision="bf16", attention_backend="unfused", recompute_granularity="selective", vocab_size=256)
+    kept = 36 * SBH  # per block: 2 fp32 + 14 half s b h values, no scores
+    mlp_side = (4 + 2 * (1 + 9)) * SBH  # LN2's fp32 input, its output and 9 half values, freed
+    softmax = 4 * kept + 4 * SBH - mlp_side + 12 * bas2  # the last block's, at its softmax backward
+    mlp = 4 * kept + 4 * SBH + 2 * (1 + 4) * SBH  # its MLP's backward: fc2's output and GeLU's gradients
+    head = 4 * (2 * SBH + 3 * 4 * 128 * 256)
+    assert activation_bytes(c) == max(softmax, mlp, 4 * kept + head) == softmax
+    full = tiny(precision="bf16", vocab_size=256, **FULL_1)  # fused attention: no scores
+    n, layer = stage_parameters(full), 12 * 64 * 64 + 13 * 64
+    e = estimate(full)
+    # a rebuilt block (36), the residual's gradient (4), its MLP's backward (2 (1 + 4)), in s b h
+    first_group = 0 * 4 * SBH + (36 + 4 + 10) * SBH + 4 * n  # block 0 rebuilt, every gradient made
+    last_group = 3 * 4 * SBH + (36 + 4 + 10) * SBH + 4 * (n - 3 * layer)  # blocks 0-2's not yet
+    head_moment = 4 * 4 * SBH + 4 * (2 * SBH + 3 * 4 * 128 * 256) + 4 * (n - 4 * layer)
+    assert e.activations_and_gradients == max(first_group, last_group, head_moment)
+    copies = 2 * (n - 3 * layer)  # autocast's copies: of one rebuilt block, not of the other 3
+    assert e.half_weight_copies == copies
+    assert e.peak(first_iteration=True) == max(16 * n, 4 * n + copies + e.activations_and_gradients)
 
 
 def test_model_states_per_zero_stage() -> None:
@@ -90,11 +118,21 @@ def test_model_states_per_zero_stage() -> None:
 def test_peak_phases() -> None:
     e = estimate(tiny())
     n = stage_parameters(tiny())
-    assert e.peak() == 4 * n + 8 * n + e.activations  # steady state: Adam's state is there
-    assert e.peak(first_iteration=True) == 4 * n + e.activations
-    assert e.peak(accumulating=True) == 16 * n + e.activations
-    big_model = estimate(MemorySetup(2, 1024, 8, 8, 128, 1))  # tiny activations: the step wins
-    assert big_model.peak() == big_model.parameters + big_model.gradients + big_model.optimizer_state
+    # the head's backward: its activations and the gradient of its parameters (the embedding)
+    head_grads = 4 * (n - 4 * (12 * 64 * 64 + 13 * 64))
+    assert e.activations_and_gradients == e.activations + head_grads
+    assert e.peak() == 4 * n + 8 * n + e.activations_and_gradients  # steady state: Adam's state is there
+    assert e.peak(first_iteration=True) == 4 * n + e.activations_and_gradients
+    assert e.peak(accumulating=True) == 16 * n + e.activations  # every gradient is there already
+    big_model = estimate(MemorySetup(2, 1024, 8, 8, 128, 1))  # tiny activations
+    step = big_model.parameters + big_model.gradients + big_model.optimizer_state
+    assert big_model.peak(first_iteration=True) == step  # no Adam state yet in backward: the step wins
+    # later the end of backward holds every model state and block 0's activations
+    assert (
+        big_model.peak()
+        == big_model.parameters + big_model.optimizer_state + big_model.activations_and_gradients
+    )
+    assert step < big_model.peak() < 1.01 * step
 
 
 def test_bad_setups_fail_with_the_values() -> None:

@@ -225,8 +225,8 @@ def _train(
         batches = [(data[r : r + b, :-1], data[r : r + b, 1:]) for r in rows]
         result = train_step(backend, batches, state=state)
         stats = take_stats(model, state)
-        out["losses"].append(result.loss)
-        out["norms"].append(result.grad_norm)
+        out["losses"].append(float(result.loss))
+        out["norms"].append(float(result.grad_norm))
         out["counts"].append([s["tokens_per_expert"] for s in stats])
         out["aux"].append([s["load_balancing_loss"] for s in stats])
         out["dropped"].append(sum(s["dropped"] for s in stats))
@@ -337,7 +337,7 @@ def _refusal(flags: str, world: int) -> str:
         ("--num-experts 4 --expert-model-parallel-size 2 --save /nonexistent --ckpt-format torch_dist", 2,
          ["--expert-model-parallel-size 2 and --ckpt-format torch_dist", "use --ckpt-format torch"]),
         ("--num-experts 4 --ffn-hidden-size 31 --tensor-model-parallel-size 2 --sequence-parallel", 2,
-         ["the experts' FFN width 31", "not divisible by --tensor-model-parallel-size 2"]),
+         ["--ffn-hidden-size 31 (the MLP width)", "divisible by --tensor-model-parallel-size 2"]),
         ("--num-experts 4 --tensor-parallel-impl dtensor --tensor-model-parallel-size 2 --sequence-parallel", 2,
          ["--num-experts with --tensor-parallel-impl dtensor"]),
         ("--num-experts 8 --expert-model-parallel-size 8 --context-parallel-size 2", 4,

@@ -10,6 +10,8 @@ and with one process; losses, gradient norms, the validation loss and the [moe] 
     tp 2 (sequence parallel) x pp 2 x ep 2 (dp 2), allgather: 8 ranks, the aux losses of both stages
     cp 2 x ep 2 (dp 2), allgather: an ep group is the two cp ranks of one sample
     interleaved pp 2 (v 2) x ep 2 (dp 2), allgather: layers 0, 2 on stage 0 and 1, 3 on stage 1
+    Llama-MoE (RMSNorm, RoPE, SwiGLU experts without biases, 2 query groups, untied output) on
+    tp 2 (sequence parallel) x pp 2 x ep 2 (dp 2), against the same Llama-MoE on one process
 
 and an ep 2 checkpoint (one file per ep rank) resumes the ep 2 run exactly.
 
@@ -38,9 +40,19 @@ MODEL = (
     "--eval-interval 3 --eval-iters 1 --distributed-backend gloo "
     "--num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
 ).split()
-#: name: (world, extra flags); the reference runs on rank 0 alone.
+LLAMA = (
+    "--normalization RMSNorm --position-embedding-type rope --swiglu --group-query-attention "
+    "--num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights"
+)
+#: name: (world, extra flags); the references run on rank 0 alone.
 RUNS = {
     "reference": (1, ""),
+    "llama-reference": (1, LLAMA),
+    "llama-tp2-pp2-ep2": (
+        8,
+        f"{LLAMA} --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel "
+        "--expert-model-parallel-size 2",
+    ),
     "ep2-allgather": (2, "--expert-model-parallel-size 2 --moe-grouped-gemm"),
     "ep2-alltoall": (2, "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"),
     "tp2-ep2-alltoall": (
@@ -64,6 +76,7 @@ RUNS = {
     "ep2-resume": (2, "--expert-model-parallel-size 2 --lr-decay-iters 3 --load {ckpt}"),
 }
 RESUMED = ("ep2-save", "ep2-resume")
+REFERENCES = ("reference", "llama-reference")
 
 
 def _worker(rank: int, plan: list, out: str) -> None:
@@ -91,10 +104,11 @@ def _history(folder: Path, name: str, rank: int) -> dict:
     return json.loads((folder / f"{name}.rank{rank}.json").read_text())
 
 
-@pytest.mark.parametrize("name", [name for name in RUNS if name not in ("reference", *RESUMED)])
+@pytest.mark.parametrize("name", [name for name in RUNS if name not in (*REFERENCES, *RESUMED)])
 def test_moe_layout_matches_single_process(runs: Path, name: str) -> None:
     world = RUNS[name][0]
-    ref, last = _history(runs, "reference", 0), _history(runs, name, world - 1)
+    reference = "llama-reference" if name.startswith("llama") else "reference"
+    ref, last = _history(runs, reference, 0), _history(runs, name, world - 1)
     assert len(ref["losses"]) == 3 and ref["losses"][-1] < ref["losses"][0]  # it learns: not vacuous
     assert_same_training(last, ref, name, tol=RTOL)
     for got, want in zip(last["moe"], ref["moe"], strict=True):  # every iteration, every layer

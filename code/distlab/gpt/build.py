@@ -116,16 +116,25 @@ class Run:
             state=self.state,
             autocast=self.autocast,
             forward_backward_fn=self.forward_backward,
+            time_forward_backward=self.args.log_straggler,  # its min/max over the ranks
         )
 
-    def batches(self, dataset: GPTDataset, first_sample: int, num_micro_batches: int) -> list[MicroBatch]:
+    def batches(
+        self,
+        dataset: GPTDataset,
+        first_sample: int,
+        num_micro_batches: int,
+        device: torch.device | None = None,
+    ) -> list[MicroBatch]:
+        """This rank's micro-batches of the global batch from ``first_sample``, on ``device``
+        (default: the run's)."""
         return micro_batches(
             dataset,
             first_sample,
             micro_batch_size=self.layout.micro_batch_size,
             num_micro_batches=num_micro_batches,
             state=self.state,
-            device=self.ctx.device,
+            device=device or self.ctx.device,
         )
 
 

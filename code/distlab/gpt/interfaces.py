@@ -32,24 +32,30 @@ def mean_backward(loss: torch.Tensor, k: int, m: int) -> None:
     (loss * (1.0 / m)).backward()
 
 
+#: A step's scalar where it was computed: a 0-d device tensor (read on the host only once per
+#: ``--log-interval``, ``training/log.py``) or a Python value a back end already had on the host.
+DeviceScalar = torch.Tensor | float | bool
+
+
 @dataclass
 class StepOutcome:
     """What a back end's optimizer step found: the norm before clipping (None after an fp16
     overflow), whether the update was skipped, whether a gradient was inf or nan."""
 
-    grad_norm: float | None
-    skipped: bool
-    nonfinite: bool = False
+    grad_norm: DeviceScalar | None
+    skipped: DeviceScalar
+    nonfinite: DeviceScalar = False
 
 
 @dataclass
 class StepResult:
-    """What a step reports: mean loss over the global batch, norm (None if skipped)."""
+    """What a step reports: mean loss over the global batch, norm (None after an fp16 overflow),
+    still on the device (``DeviceScalar``): a step that does not log never waits for the device."""
 
-    loss: float
-    grad_norm: float | None
-    skipped: bool
-    nan: bool
+    loss: DeviceScalar
+    grad_norm: DeviceScalar | None
+    skipped: DeviceScalar
+    nan: DeviceScalar
     forward_backward_ms: float = 0.0  # this rank's own forward and backward (--log-straggler)
 
 

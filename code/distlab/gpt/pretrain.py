@@ -29,6 +29,7 @@ from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.data.gpt_dataset import GPTDataset
+from distlab.gpt.data.prefetch import Prefetcher
 from distlab.gpt.interfaces import StepResult
 from distlab.gpt.memory.memory_estimate import MemorySetup, estimate, format_prediction
 from distlab.gpt.memory.meters import memory_report, out_of_memory_message
@@ -87,7 +88,8 @@ def pretrain(argv: list[str] | None = None) -> dict:
 
 
 def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
-    """The training loop, then :func:`finish`; returns the history."""
+    """The training loop, then :func:`finish`; returns the history. The next step's batches are
+    read by a worker while a step runs (``data/prefetch.py``: the same batches, earlier)."""
     args = run.args
     timer = log.Timer(run.ctx.device)  # the one clock: iteration times and --exit-duration-in-mins
     first_iteration = run.iteration + 1  # of this run (after --load)
@@ -101,29 +103,41 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
             run.state.layout.world_size, run.state.rank, args.straggler_minmax_count,
             enabled=not args.disable_straggler_on_startup, port=args.straggler_ctrlr_port, device=run.ctx.device,
         )  # fmt: skip
+    host = torch.device("cpu")
+    prefetcher = Prefetcher(
+        lambda first, m: run.batches(run.datasets[0], first, m, device=host), run.ctx.device
+    )
     housekeeping.start_manual_gc(args)
-    while run.iteration < args.train_iters:
-        lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
-        batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
-        batches = run.batches(run.datasets[0], run.consumed, run.layout.micro_batches_at(run.consumed))
-        before_ms = 1000 * timer.lap()  # the previous iteration's logging, evaluation, save; data
-        result = run.step(batches)
-        housekeeping.empty_unused_memory(args, run.ctx.device)
-        step_ms = 1000 * timer.lap()
-        run.iteration += 1
-        run.consumed += batch
-        if run.iteration == first_iteration:
-            report_memory(run)
-        profiler.step()
-        housekeeping.collect_after_step(args, run.iteration)
-        log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
-        if straggler is not None:
-            report_straggler(run, straggler, result, batch)
-        iteration_ms.append(before_ms + step_ms)
-        maybe_evaluate(run)
-        maybe_save(run)
-        if stop_requested(run, timer, exit_signal):
-            break
+    try:
+        while run.iteration < args.train_iters:
+            lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
+            batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
+            batches = prefetcher.take(run.consumed, run.layout.micro_batches_at(run.consumed))
+            following = run.consumed + batch
+            if run.iteration + 1 < args.train_iters:  # read while this step runs
+                prefetcher.prefetch(following, run.layout.micro_batches_at(following))
+            # the previous iteration's logging, evaluation, save; data
+            before_ms = 1000 * timer.lap(sync=False)
+            result = run.step(batches)
+            housekeeping.empty_unused_memory(args, run.ctx.device)
+            # the device is waited for on log iterations only (the line's interval time is then whole)
+            step_ms = 1000 * timer.lap(sync=run.tlog.due(run.iteration + 1))
+            run.iteration += 1
+            run.consumed += batch
+            if run.iteration == first_iteration:
+                report_memory(run)
+            profiler.step()
+            housekeeping.collect_after_step(args, run.iteration)
+            log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
+            if straggler is not None:
+                report_straggler(run, straggler, result, batch)
+            iteration_ms.append(before_ms + step_ms)
+            maybe_evaluate(run)
+            maybe_save(run)
+            if stop_requested(run, timer, exit_signal):
+                break
+    finally:
+        prefetcher.close()
     profiler.stop()
     if straggler is not None:
         straggler.close()
@@ -177,20 +191,25 @@ def report_memory(run: Run) -> None:
 def log_iteration(
     run: Run, result: StepResult, lr: float, iter_ms: float, step_ms: float, batch: int
 ) -> None:
-    """History, Megatron's line every --log-interval (last rank), TensorBoard scalars."""
+    """History, Megatron's line every --log-interval (last rank), TensorBoard scalars (each
+    iteration's, written when its interval is read: the step's values stay on the device until then)."""
     loss_scale = run.scaler.scale if run.scaler else 1.0
-    fields = dict(loss=result.loss, lr=lr, loss_scale=loss_scale, grad_norm=result.grad_norm)
-    line = run.tlog.record(
-        run.iteration, run.consumed, **fields, skipped=result.skipped, nan=result.nan, iter_ms=iter_ms,
-        global_batch_size=batch,
+    interval = run.tlog.record(
+        run.iteration, run.consumed, loss=result.loss, lr=lr, loss_scale=loss_scale,
+        grad_norm=result.grad_norm, skipped=result.skipped, nan=result.nan, iter_ms=iter_ms,
+        step_ms=step_ms, global_batch_size=batch,
     )  # fmt: skip
-    print_on(run.last_rank and line is not None, line)
     if run.args.num_experts is not None:
-        log_moe(run, due=line is not None)
-    timers = {"train-step": step_ms}
-    run.tensorboard.training(
-        run.iteration, run.consumed, **fields, iter_ms=iter_ms, timers=timers, global_batch_size=batch
-    )
+        log_moe(run, due=interval is not None)
+    if interval is None:
+        return
+    print_on(run.last_rank, interval.line)
+    for row in interval.rows:
+        run.tensorboard.training(
+            row["iteration"], row["consumed"], loss=row["loss"], lr=row["lr"], loss_scale=row["loss_scale"],
+            grad_norm=row["grad_norm"], iter_ms=row["iter_ms"], timers={"train-step": row["step_ms"]},
+            global_batch_size=row["batch"],
+        )  # fmt: skip
 
 
 def log_moe(run: Run, *, due: bool) -> None:
@@ -287,6 +306,7 @@ def stop_requested(run: Run, timer: log.Timer, exit_signal: ExitSignal | None) -
 def finish(run: Run) -> dict:
     """Final save, the pipeline timeline, final validation and test; the history."""
     args, history = run.args, run.tlog.history
+    run.tlog.flush()  # a run stopped between two log lines: its last iterations into the history
     if args.save and run.saved_at != run.iteration:
         save(run)
     print_on(run.rank0, *run.checkpointer.wait())  # --async-save: the last write committed

@@ -269,13 +269,6 @@ def _moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         )
     if error := tensor_parallel_error(layout.tp, layout.sequence_parallel):
         errors.append(error)
-    ffn = args.ffn_hidden_size or 4 * args.hidden_size
-    if ffn % layout.tp:
-        errors.append(
-            f"the experts' FFN width {ffn} (--ffn-hidden-size, default 4 x --hidden-size) is not divisible "
-            f"by --tensor-model-parallel-size {layout.tp}, over which each expert is split (etp = tp): "
-            f"choose a multiple of {layout.tp}"
-        )
     if args.moe_token_dispatcher_type == "flex":
         errors.append(
             "--moe-token-dispatcher-type flex: Megatron's flex dispatcher runs DeepEP or HybridEP kernels "

@@ -111,9 +111,8 @@ class DistributedOptimizer:
             if size > 1:
                 dist.all_reduce(total, group=group)
         norm = total.sqrt()
-        if torch.isfinite(norm):
-            clip_gradients(pieces, clip_grad, norm)
-        return Gradients(float(norm))
+        clip_gradients(pieces, clip_grad, norm)  # by 1 when the norm is not finite: left as they are
+        return Gradients(norm)  # on the device, as gradients.finalize_gradients
 
     @torch.no_grad()
     def step(self) -> None:

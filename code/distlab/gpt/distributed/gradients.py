@@ -24,7 +24,11 @@ gradient of its share of the loss, ``sum_k d(loss_k x S / m)`` (``S`` the fp16 l
 5. global norm ``||g|| = sqrt(sum_p ||g_p||^2)`` over the model-parallel ranks, each parameter
    counted once (a replicated one on tp rank 0, E's copy on the last stage not at all, each
    expert on the ep rank that holds it);
-6. clipping: every gradient times ``min(1, clip / ||g||)``.
+6. clipping: every gradient times ``min(1, clip / ||g||)`` (times 1 when ``||g||`` is not
+   finite: the step is then skipped).
+
+Nothing here reads the device but fp16's overflow check (step 4): the norm stays a device
+tensor, and clipping multiplies by a device coefficient.
 """
 
 from __future__ import annotations
@@ -129,10 +133,12 @@ def collective_device() -> torch.device:
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """Step 6: scale all gradients by ``min(1, max_norm / norm)`` (no-op when ``max_norm`` is 0)."""
+    """Step 6: scale all gradients by ``min(1, max_norm / norm)`` (no-op when ``max_norm`` is 0),
+    computed on the device; by 1 when ``norm`` is inf or nan (they stay as they were)."""
     if max_norm <= 0:
         return
     coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    coeff = torch.where(torch.isfinite(norm), coeff, torch.ones_like(coeff))
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coeff.to(grads[0].device))
@@ -140,9 +146,10 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: torch.Tens
 
 @dataclass
 class Gradients:
-    """What finalisation found: the norm before clipping (None after an fp16 overflow)."""
+    """What finalisation found: the norm before clipping, a 0-d fp32 tensor on the device (None
+    after an fp16 overflow)."""
 
-    norm: float | None
+    norm: torch.Tensor | None
     overflow: bool = False
 
 
@@ -156,11 +163,11 @@ def finalize_gradients(
     buckets: GradBuckets | None = None,
 ) -> Gradients:
     """Steps 1 to 6 (``loss_scale`` None: no fp16 scaling). Gradients are left unclipped when
-    the norm is not finite: the step that follows is skipped."""
+    the norm is not finite: the step that follows is skipped. Only fp16's overflow check reads
+    the device."""
     reduce_gradients(params, tied_weight, state, buckets)
     if loss_scale is not None and unscale_and_check(params, loss_scale):
         return Gradients(None, overflow=True)
     norm = grad_norm(params, state)
-    if torch.isfinite(norm):
-        clip_gradients(params, clip_grad, norm)
-    return Gradients(float(norm))
+    clip_gradients(params, clip_grad, norm)
+    return Gradients(norm)

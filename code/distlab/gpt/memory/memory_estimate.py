@@ -3,7 +3,9 @@
 Notation: L layers, h hidden, a heads, s sequence, b micro batch, V padded vocabulary,
 P parameters on this rank, tp / pp / dp / cp the parallel sizes, M micro-batches per step.
 
-**Model states** (bytes per parameter, K the optimizer's)::
+**Model states** (bytes per parameter, K the optimizer's; the optimizer step updates in place,
+as ``build_optimizer``'s fused AdamW does: torch's foreach AdamW adds a 4-byte temporary per
+parameter, sqrt(exp_avg_sq), 20 bytes at the step instead of 16)::
 
     precision                     parameters  gradients  optimizer (Adam)             total
     fp32                          4           4          8   (exp_avg + exp_avg_sq)   16
@@ -68,23 +70,48 @@ whole on every tp rank (no vocab-parallel split), and so is the loss head.
 A checkpointed group's input (full recomputation) and the final LayerNorm's input and output
 are T / t of the sequence as well.
 
-**Recomputation** (``transformer/recompute.py``, Megatron's flags), per block and micro-batch::
+**Recomputation** (``transformer/recompute.py``, Megatron's flags), what a block keeps per
+micro-batch::
 
     none                     the block, as above
     selective                the block less its core attention's scores: 4 sbh (16) in fp32
-                             with either backend (fused attention had no scores to drop); one
-                             block's scores are rebuilt at a time in backward
-    full uniform N           each group of N blocks keeps its input, 4 sbh bytes (fp32); the
-                             group being rebuilt in backward holds its N blocks
+                             with either backend (fused attention had no scores to drop)
+    full uniform N           each group of N blocks keeps its input, 4 sbh bytes (fp32)
     full block N             the stage's first N blocks keep their input, 4 sbh bytes each, the
-                             other L / pp - N the block as above; one block rebuilt at a time
+                             other L / pp - N the block as above
 
-The loss head keeps the fp32 log-softmax (b s V) and needs two more b s V fp32 tensors in its
-backward, which ends before any block is rebuilt: the peak adds the larger of the two.
+**The peak is in backward** (``backward_moments``), at the largest of these moments::
+
+    head      everything kept + the loss head (its fp32 log-softmax and two more b s V fp32
+              tensors in its backward) + the head's parameter gradients
+    unit u    what the units before u keep + W_u + the gradients made so far (those of the
+              head and of the blocks from u's last on, at 4 bytes / parameter)
+
+A unit is a checkpointed group or a single block, taken by backward in reverse order. ``W_u``,
+through u's last block, is the larger of (sbh in bytes, p = 2 under autocast, 4 in fp32)::
+
+    MLP       K + 4 sbh + p sbh (1 + 4 / t)
+    softmax   K + 4 sbh - (4 + p (1 + 9 / t)) sbh + 12 b (a/t) s^2 - (scores kept)
+
+``K`` the unit's blocks' activations (a checkpointed group's, rebuilt whole: its N blocks, of
+which the first block's input is the one it kept; selective: the block without its scores),
+``4 sbh`` the residual stream's fp32 gradient, ``p sbh (1 + 4/t)`` fc2's output gradient and
+GeLU's (b, s, 4h / t) in the MLP's backward; at the explicit attention's softmax the block's
+second half is freed (LN2's fp32 input and output, the projection's, GeLU's and fc2's inputs)
+and the softmax backward holds the fp32 probabilities, their gradient and the scores' gradient,
+``12 b (a/t) s^2`` bytes, of which the block kept ``scores`` (4 or 6, none under selective:
+there the rebuild adds all 12). Without recomputation the head's moment is the peak; with full
+recomputation a rebuilt group holds whole blocks again while the gradients made so far grow
+to all of them (the first group: every gradient and one rebuilt group, next to Adam's state after
+the first iteration). Autocast's half copies of a checkpointed group's weights live only while
+it is rebuilt: the estimate keeps the copies of the non-checkpointed blocks and of the largest
+group (``rebuilt_parameters``). Against ``torch.profiler``'s count of the CPU allocator's bytes
+(4 layers, h 64-256, s 256-512, bf16, every mode and both attention backends) the peak is
+within +0 to -5 %.
 
 **Llama's blocks** (``transformer/config.py``): a block holds qkv h (a + 2g) d, proj a d h and
 SwiGLU's 3 h F weights, no biases with ``--disable-bias-linear``, one weight per RMSNorm; no
-position table with RoPE; the last stage an untied (V / t, h) output layer (:func:`layer_parameters`).
+position table with RoPE; the last stage an untied (V / t, h) output layer (``parameters.layer_parameters``).
 
 **Mixture of experts** (``--num-experts E``): each block's MLP ((8 h^2 + 4 h) / tp + h on a rank: its
 fc2 bias whole) becomes a router (E h) and this rank's E / ep experts, each split over tp as the
@@ -116,66 +143,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distlab.gpt.memory.parameters import block_parameters, layer_parameters, stage_parameters, vocab_split
 from distlab.gpt.memory.setup import HALF as _HALF
 from distlab.gpt.memory.setup import MemorySetup
 from distlab.gpt.transformer.recompute import EXPLICIT_BACKENDS, checkpoint_groups
 from distlab.logs.formats import PREDICTION
 
 MiB = 2**20
-
-
-def num_parameters(L: int, h: int, V: int, s: int) -> int:
-    """Parameters of the whole GPT: 12 L h^2 (1 + 13/(12h) + (V+s)/(12 L h)) + 2h (final LN)."""
-    return L * (12 * h * h + 13 * h) + (V + s) * h + 2 * h
-
-
-def layer_parameters(c: MemorySetup) -> tuple[int, int]:
-    """One dense block's parameters (split over tp, replicated on every tp rank). GPT-2:
-    (12 h^2 + 7 h, 6 h): qkv, proj, fc1, fc2 weights, qkv and fc1 biases; proj and fc2 biases and
-    two LayerNorms. Llama: qkv h (a + 2g) d, proj a d h, the MLP 3 h F (SwiGLU), no biases, two
-    RMSNorm weights (``transformer/config.py``)."""
-    h, a = c.hidden_size, c.num_attention_heads
-    d = c.kv_channels or h // a
-    g = c.num_query_groups or a
-    f = c.ffn_hidden_size or 4 * h
-    fc1 = 2 * f if c.swiglu else f  # [gate; up] with SwiGLU
-    split = h * (a + 2 * g) * d + a * d * h + h * fc1 + f * h
-    replicated = 2 * _norm_parameters(c)
-    if c.add_bias_linear:
-        split += (a + 2 * g) * d + fc1
-        replicated += 2 * h
-    return split, replicated
-
-
-def _norm_parameters(c: MemorySetup) -> int:
-    return 2 * c.hidden_size if c.normalization == "LayerNorm" else c.hidden_size
-
-
-def _mlp_parameters(c: MemorySetup) -> int:
-    """One MLP's parameters on a rank, split over tp but for fc2's bias (GPT-2: (8 h^2 + 4 h) / tp + h)."""
-    h, f = c.hidden_size, c.ffn_hidden_size or 4 * c.hidden_size
-    split = (3 if c.swiglu else 2) * h * f + ((2 * f if c.swiglu else f) if c.add_bias_linear else 0)
-    return split // c.tp + (h if c.add_bias_linear else 0)
-
-
-def stage_parameters(c: MemorySetup) -> int:
-    """Parameters on the first pipeline stage's rank (it holds the embeddings): matrices / tp."""
-    h = c.hidden_size
-    split, replicated = layer_parameters(c)
-    layer = split // c.tp + replicated
-    if c.num_experts is not None:  # the MLP -> router E h + E / ep experts, each split over tp as the MLP
-        layer += c.num_experts * h + (c.num_experts // c.ep - 1) * _mlp_parameters(c)
-    vocab = c.vocab_size * h // _vocab_split(c)
-    n = (c.num_layers // c.pp) * layer + vocab
-    n += c.seq_length * h if c.position_embedding_type == "learned_absolute" else 0
-    if c.pp == 1:  # also the last stage: the final norm and an untied output layer
-        n += _norm_parameters(c) + (vocab if c.untie_embeddings_and_output_weights else 0)
-    return n
-
-
-def _vocab_split(c: MemorySetup) -> int:
-    """Ranks the embedding and the logits are split over: tp (Megatron's vocab-parallel), or 1 (DTensor's plan)."""
-    return 1 if c.tensor_parallel_impl == "dtensor" else c.tp
 
 
 def korthikanti_layer_bytes(
@@ -279,27 +253,100 @@ def chunks_in_flight(c: MemorySetup) -> int:
     return min(warmup + 1, c.vp * m)
 
 
-def recompute_extra_bytes(c: MemorySetup) -> float:
-    """What backward rebuilds at once: the largest checkpointed group's blocks less its stored
-    input (full), one block's scores (selective), nothing without recomputation."""
-    if c.recompute_granularity == "selective":
-        return scores_bytes(c)
-    rebuilt = [end - first for first, end, ckpt in _groups(c) if ckpt]
-    return max(rebuilt) * block_bytes(c) - 4 * _outside_sbh(c) if rebuilt else 0.0
-
-
 def head_bytes(c: MemorySetup) -> float:
     """Loss head: final LN in/out (2 sbh fp32, / t with SP) and three b s V fp32 tensors at its backward."""
-    bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / _vocab_split(c)
+    bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / vocab_split(c)
     ln_f = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)  # DTensor gathers before ln_f
     return 4 * ((2 + _rms_extra(c)) * ln_f + 3 * bsv)
 
 
+def attention_backward_bytes(c: MemorySetup) -> float:
+    """What the explicit attention's backward holds at its softmax, fp32 and autocast alike: the
+    fp32 probabilities, their gradient (cast up from the half product's) and the scores' gradient,
+    ``12 b (a / t) s^2`` bytes; 0 with fused attention and with ring attention (cp > 1)."""
+    if scores_bytes(c) == 0:
+        return 0.0
+    return 12 * c.micro_batch_size * c.num_attention_heads * c.seq_length**2 / c.tp
+
+
+def _units(c: MemorySetup) -> list[tuple[int, int, bool]]:
+    """What backward takes at once, in forward order: each checkpointed group, every other block."""
+    units = []
+    for first, end, ckpt in _groups(c):
+        units += [(first, end, True)] if ckpt else [(i, i + 1, False) for i in range(first, end)]
+    return units
+
+
+def _unit_stored(c: MemorySetup, first: int, end: int, ckpt: bool) -> float:
+    """Bytes a unit keeps from its forward to its backward (``chunk_layers_bytes``' terms)."""
+    if ckpt:
+        return 4 * _outside_sbh(c)  # the group's fp32 input
+    kept = block_bytes(c) - (scores_bytes(c) if c.recompute_granularity == "selective" else 0.0)
+    return (end - first) * kept
+
+
+def _mlp_side_bytes(c: MemorySetup) -> float:
+    """What a block keeps for its second half, freed by the time backward reaches its attention:
+    LN2's fp32 input and its output, the projection's input, GeLU's and fc2's inputs."""
+    per_value = 2 if c.precision in _HALF else 4
+    ln_out = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)
+    return 4 * _outside_sbh(c) + per_value * (ln_out + 9 * _sbh(c) / c.tp)
+
+
+def _unit_backward(c: MemorySetup, first: int, end: int, ckpt: bool) -> float:
+    """Bytes a unit holds at the peak of its backward, through its last block, the larger of::
+
+        MLP       K + R + (s b h + 4 s b h / t) x half-or-fp32 bytes
+        softmax   K + R - (MLP side) + (12 b (a/t) s^2 - scores kept)    explicit attention only
+
+    ``K`` its blocks' activations (a checkpointed group's rebuilt, whose first input is the one
+    it kept; selective: without the scores), ``R`` = 4 s b h the residual stream's fp32 gradient.
+    The MLP's backward adds fc2's output gradient (b, s, h) and GeLU's (b, s, 4h / t) beside
+    fc2's input; at the attention's softmax the block's second half is freed
+    (``_mlp_side_bytes``) and the attention's backward holds ``attention_backward_bytes`` (the
+    rebuilt scores under selective recomputation: the whole 12 b (a/t) s^2)."""
+    per_value = 2 if c.precision in _HALF else 4
+    kept = (end - first) * block_bytes(c) if ckpt else _unit_stored(c, first, end, ckpt)
+    held = kept + 4 * _outside_sbh(c)
+    mlp = held + per_value * (_outside_sbh(c) + 4 * _sbh(c) / c.tp)
+    if attention_backward_bytes(c) == 0:
+        return mlp
+    scores_kept = scores_bytes(c) if ckpt or c.recompute_granularity != "selective" else 0.0
+    return max(mlp, held - _mlp_side_bytes(c) + attention_backward_bytes(c) - scores_kept)
+
+
+def backward_moments(c: MemorySetup, grad_bytes: float = 4.0) -> list[tuple[float, float]]:
+    """``(activations, gradients)`` bytes on the first stage at each peak of a micro-batch's
+    backward, gradients made by then counted at ``grad_bytes`` per parameter (4: fp32)::
+
+        head (pp = 1)   F layers + head                   the loss head's parameters
+        unit u          (F - 1) chunk + kept(< u) + W_u   the head's, and of u's last block on
+
+    ``F`` the chunk-forwards in flight (``chunks_in_flight``), ``chunk`` one chunk's kept
+    activations (``chunk_layers_bytes``), ``kept(< u)`` what the units before ``u`` keep of this
+    micro-batch, ``W_u`` what unit ``u``'s backward holds (``_unit_backward``). A unit is a
+    checkpointed group or a block; the gradients of its last block count from its backward on. Without
+    recomputation the head's moment is the peak (a block's backward frees more than it makes);
+    with it, a rebuilt group holds a whole block (or N) again next to the gradients made so far,
+    which, for the first groups, are nearly all of them.
+    """
+    chunk, flight = chunk_layers_bytes(c), chunks_in_flight(c)
+    head_params = stage_parameters(c) - (c.num_layers // c.pp) * block_parameters(c) if c.pp == 1 else 0
+    moments = [(flight * chunk + head_bytes(c), grad_bytes * head_params)] if c.pp == 1 else []
+    units, kept_before = _units(c), 0.0
+    blocks = c.num_layers // (c.pp * c.vp)
+    for first, end, ckpt in units:
+        made = head_params + (blocks - end + 1) * block_parameters(c)  # through its last block
+        acts = (flight - 1) * chunk + kept_before + _unit_backward(c, first, end, ckpt)
+        moments.append((acts, grad_bytes * made))
+        kept_before += _unit_stored(c, first, end, ckpt)
+    return moments
+
+
 def activation_bytes(c: MemorySetup) -> float:
-    """Peak activations on the first stage (with pp = 1 also the last: it adds the head)."""
-    layers = chunk_layers_bytes(c) * chunks_in_flight(c)
-    head = head_bytes(c) if c.pp == 1 else 0.0
-    return layers + max(head, recompute_extra_bytes(c))  # the head's backward ends before a rebuild
+    """Peak activations on the first stage (with pp = 1 also the last: it adds the head), the
+    largest of :func:`backward_moments`."""
+    return max(acts for acts, _ in backward_moments(c))
 
 
 @dataclass(frozen=True)
@@ -312,15 +359,18 @@ class MemoryEstimate:
     half_weight_copies: float
     """Weights alive only for compute: autocast's half copies, or FSDP2's gathered parameters."""
     activations: float
+    activations_and_gradients: float
+    """The largest sum of activations and the gradients made by then (``backward_moments``)."""
 
     def peak(self, first_iteration: bool = False, accumulating: bool = False) -> float:
-        """max(forward/backward, optimizer step). The step holds every model state; in
-        forward/backward the optimizer state exists from the second iteration on, gradients
-        from the second micro-batch on (accumulation) and not at all before the first."""
+        """max(forward/backward, optimizer step). The step holds every model state (a fused
+        optimizer updates in place); in forward/backward the optimizer state exists from the
+        second iteration on, all gradients from the second micro-batch on (accumulation), and in
+        a micro-batch's backward those made so far."""
         step = self.parameters + self.gradients + self.optimizer_state
-        fwd_bwd = self.parameters + self.half_weight_copies + self.activations
+        fwd_bwd = self.parameters + self.half_weight_copies
         fwd_bwd += 0 if first_iteration else self.optimizer_state
-        fwd_bwd += self.gradients if accumulating else 0
+        fwd_bwd += self.gradients + self.activations if accumulating else self.activations_and_gradients
         return max(step, fwd_bwd)
 
 
@@ -345,7 +395,7 @@ def estimate(c: MemorySetup) -> MemoryEstimate:
     if c.fsdp2:  # fp32 states sharded over dp; bf16 compute through MixedPrecisionPolicy, no autocast
         shards = 0.0 if c.offload else n * 16 / c.dp  # parameters 4 + gradients 4 + Adam 8, / dp
         return MemoryEstimate(shards * 4 / 16, shards * 4 / 16, shards * 8 / 16, fsdp2_gathered_bytes(c),
-                              activation_bytes(c))  # fmt: skip
+                              activation_bytes(c), _with_gradients(c, 0.0 if c.offload else 4 / c.dp))  # fmt: skip
     if c.distributed_optimizer:
         return _distributed_optimizer_estimate(c, n)
     deepspeed_mixed = c.zero_stage > 0 and c.precision in _HALF
@@ -357,8 +407,21 @@ def estimate(c: MemorySetup) -> MemoryEstimate:
         params = 0.0
     if c.zero_stage == 0 and c.dp * c.cp > 1:
         grads *= 2  # the all-reduce's flat buffer (DDP's buckets) holds a second copy of the gradients
-    copies = 2 * n if c.precision in _HALF and not deepspeed_mixed else 0.0
-    return MemoryEstimate(params, grads, optim, copies, activation_bytes(c))
+    copies = 2 * (n - rebuilt_parameters(c)) if c.precision in _HALF and not deepspeed_mixed else 0.0
+    in_backward = _with_gradients(c, g_bytes / _zero_shards(c, 2))  # the flat buffer comes after backward
+    return MemoryEstimate(params, grads, optim, copies, activation_bytes(c), in_backward)
+
+
+def rebuilt_parameters(c: MemorySetup) -> int:
+    """Parameters whose autocast copies are not alive through backward: a checkpointed group's
+    forward keeps none (autocast's cache ends with the forward), its rebuild makes them again for
+    that group only; so all checkpointed blocks' but the largest group's (per model chunk)."""
+    groups = [end - first for first, end, ckpt in _groups(c) if ckpt]
+    return c.vp * (sum(groups) - max(groups, default=0)) * block_parameters(c)
+
+
+def _with_gradients(c: MemorySetup, grad_bytes: float) -> float:
+    return max(acts + grads for acts, grads in backward_moments(c, grad_bytes))
 
 
 def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
@@ -375,7 +438,9 @@ def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
     d, half = c.dp * c.cp, c.precision in _HALF
     g_bytes = 2 if c.grad_reduce_in_bf16 else 4
     k = 8 + (4 if half else 0) + (4 if g_bytes == 2 else 0)
-    return MemoryEstimate(n * (2 if half else 4), n * g_bytes, n * k / d, 0.0, activation_bytes(c))
+    return MemoryEstimate(
+        n * (2 if half else 4), n * g_bytes, n * k / d, 0.0, activation_bytes(c), _with_gradients(c, g_bytes)
+    )
 
 
 def format_prediction(predicted: float, measured: float, how: str) -> str:

@@ -37,7 +37,6 @@ arguments, in ``arguments/backends.py``.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from distlab.gpt.interfaces import StepOutcome, mean_backward
 from distlab.gpt.native.dtensor_parallel import reduce_partial_gradients
+from distlab.gpt.optimizer.optimizer import step_unless
 from distlab.gpt.optimizer.precision import Precision
 from distlab.gpt.transformer.model import GPTModel
 
@@ -192,14 +192,14 @@ class FSDP2Backend:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         reduce_partial_gradients(params)  # SP's norms: all-reduce over tp
         norm = grad_norm(params)
-        value = float(norm)
-        if not math.isfinite(value):  # no clipping, no update (as the local back end without fp16)
-            return StepOutcome(value, skipped=True, nonfinite=True)
+        nonfinite = ~torch.isfinite(norm)  # then no clipping, no update (as the local back end)
         if self.clip_grad > 0:
-            # g x min(1, clip / ||g||), one tensor at a time: DTensor TP leaves the embeddings plain
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm, foreach=False)
-        self.optimizer.step()
-        return StepOutcome(value, skipped=False)
+            # g x min(1, clip / ||g||), one tensor at a time: DTensor TP leaves the embeddings plain;
+            # a norm of 0 in place of a non-finite one makes the factor 1 (gradients left alone)
+            finite_norm = torch.where(nonfinite, torch.zeros_like(norm), norm)
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, finite_norm, foreach=False)
+        step_unless(self.optimizer, nonfinite)  # decided on the device (fused optimizer)
+        return StepOutcome(norm, skipped=nonfinite, nonfinite=nonfinite)
 
     def close(self) -> None:
         pass

@@ -245,7 +245,7 @@ def hand_written_steps(
     for tokens, labels in batches:
         start = time.perf_counter()
         micro = list(zip(tokens.chunk(m), labels.chunk(m), strict=True))  # m x ((b, T), (b, T))
-        losses.append(train_step(backend, micro, state=state, forward_backward_fn=fb).loss)
+        losses.append(float(train_step(backend, micro, state=state, forward_backward_fn=fb).loss))
         step_ms.append(1000 * (time.perf_counter() - start))
     return {"losses": losses, "step_ms": step_ms, "bubble": timeline.gather()["measured_bubble"]}
 

@@ -46,7 +46,13 @@ def group_key(name: str, p: nn.Parameter, args: PretrainArgs) -> tuple[bool, boo
 
 def make_optimizer(groups: dict[tuple[bool, bool], list], args: PretrainArgs) -> torch.optim.Optimizer:
     """AdamW (Megatron's ``adam`` decouples weight decay) or SGD over ``groups`` keyed by
-    :func:`group_key`; each group carries its schedule's ``max_lr`` / ``min_lr``."""
+    :func:`group_key`; each group carries its schedule's ``max_lr`` / ``min_lr``.
+
+    Both fused (``fused=True``: one kernel over all parameters, on CPUs and GPUs alike): the
+    default foreach AdamW reads every parameter's step count back to the host (two ``.item()``
+    per parameter and step), and only a fused optimizer skips an update on the device
+    (:func:`step_unless`).
+    """
     param_groups = [
         {
             "params": params,
@@ -58,9 +64,9 @@ def make_optimizer(groups: dict[tuple[bool, bool], list], args: PretrainArgs) ->
     ]
     if args.optimizer in ("adam", "adamw"):
         return torch.optim.AdamW(
-            param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps
+            param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True
         )
-    return torch.optim.SGD(param_groups, lr=args.lr, momentum=args.sgd_momentum)
+    return torch.optim.SGD(param_groups, lr=args.lr, momentum=args.sgd_momentum, fused=True)
 
 
 def _decoupled_min_lr(args: PretrainArgs) -> float:
@@ -75,6 +81,32 @@ def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimiz
         if p.requires_grad:
             groups.setdefault(group_key(name, p, args), []).append(p)
     return make_optimizer(groups, args)
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter group runs torch's fused kernel (which takes ``found_inf``)."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()`` unless ``found_inf`` (a 0-d bool tensor), decided where it lives.
+
+    A fused optimizer takes the flag as ``found_inf`` (as ``torch.amp.GradScaler`` hands it):
+    its kernel leaves parameters, moments and step count alone when it is 1, without the host
+    reading it (a ``DistributedOptimizer``'s torch optimizer over its shards alike). Any other
+    optimizer (one built outside ``build_optimizer``) cannot: the flag is read (one
+    synchronisation) and the step skipped on the host.
+    """
+    if not is_fused(optimizer):
+        if not found_inf.item():
+            optimizer.step()
+        return
+    inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer of a DistributedOptimizer
+    inner.found_inf = found_inf.float()
+    try:
+        optimizer.step()
+    finally:
+        del inner.found_inf
 
 
 class LRSchedule:

@@ -3,16 +3,24 @@ torch.profiler traces of training steps (in the layout TensorBoard's PyTorch Pro
 
 The throughput fields of the iteration line (tokens/s, TFLOP/s per device, MFU) come from
 ``flops.py``.
+
+A step leaves its loss, gradient norm and skip / nan flags on the device (``StepResult``);
+:class:`TrainingLog` keeps them there and reads the whole interval's with one copy to the host
+on the iterations that log (as Megatron's ``training_log`` accumulates ``total_loss_dict`` on the
+device and reads it every ``--log-interval``), and :class:`Timer` waits for the device only then:
+between two log lines the host runs ahead of the device and never waits for it.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
 from distlab.gpt.arguments import PretrainArgs, profile_ranks
+from distlab.gpt.interfaces import DeviceScalar
 from distlab.gpt.training.flops import device_peak_tflops, model_flops_per_iteration
 from distlab.logs.formats import ITERATION, VALIDATION
 
@@ -68,8 +76,26 @@ def validation_lines(label: str, loss: float) -> list[str]:
     return [bar, body, bar]
 
 
+def to_host(values: list) -> list:
+    """``values`` with each tensor (0-d) among them replaced by its Python float, read with one
+    copy per device (one synchronisation each); None, floats and bools pass through."""
+    out = list(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for indices in by_device.values():
+        # float64 holds every fp32 (and bool) value exactly: the same float as float(tensor)
+        read = torch.stack([values[i].detach().reshape(()).double() for i in indices]).tolist()
+        for i, x in zip(indices, read, strict=True):
+            out[i] = x
+    return out
+
+
 class Timer:
-    """Wall-clock seconds since the start and between laps; synchronises CUDA so GPU work counts."""
+    """Wall-clock seconds since the start and between laps. ``lap(sync=True)`` first waits for
+    the device (CUDA) so that its queued work counts; unsynchronised laps measure the host, which
+    runs ahead: their sum up to a synchronised lap is the elapsed time."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -80,9 +106,10 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def lap(self) -> float:
+    def lap(self, sync: bool = True) -> float:
         """Seconds since the previous lap (or the start)."""
-        self._sync()
+        if sync:
+            self._sync()
         now = time.perf_counter()
         dt, self._last = now - self._last, now
         return dt
@@ -154,12 +181,26 @@ class TensorBoardLog:
             self.writer.close()
 
 
+@dataclass
+class Interval:
+    """What a log iteration read: Megatron's line and each iteration's values since the last one
+    (``TrainingLog.ROW`` keys, Python numbers)."""
+
+    line: str
+    rows: list[dict]
+
+
 class TrainingLog:
     """Per-iteration history plus Megatron's line every ``--log-interval`` iterations.
 
     The line averages loss and time over the interval and counts its skipped / nan iterations;
-    ``history`` keeps every iteration (tests and notebooks read it).
+    ``history`` keeps every iteration (tests and notebooks read it), filled in at each log
+    iteration, when the interval's device values are read at once (:func:`to_host`), and by
+    :meth:`flush` at the end of a run.
     """
+
+    ROW = ("iteration", "consumed", "loss", "grad_norm", "skipped", "nan", "lr", "loss_scale", "iter_ms",
+           "step_ms", "batch")  # fmt: skip
 
     def __init__(self, args: PretrainArgs, *, vocab_size: int, world_size: int, device: torch.device) -> None:
         self.args, self.world_size = args, world_size
@@ -168,56 +209,86 @@ class TrainingLog:
         keys = ("iterations", "losses", "loss_scales", "grad_norms", "lrs", "val_losses", "iter_ms")
         self.history: dict = {k: [] for k in keys}
         self.history.update(skipped=0, nan=0)
-        self._losses: list[float] = []
-        self._ms: list[float] = []
-        self._skipped = self._nan = 0
+        self._pending: list[list] = []  # this interval's iterations, ROW values (device tensors)
         self._batch = args.global_batch_size  # this step's global batch (a ramp changes it)
+
+    def due(self, iteration: int) -> bool:
+        """Whether iteration ``iteration`` prints the line (every --log-interval, and the last)."""
+        return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
 
     def record(
         self,
         iteration: int,
         consumed: int,
         *,
-        loss: float,
-        grad_norm: float | None,
-        skipped: bool,
-        nan: bool,
+        loss: DeviceScalar,
+        grad_norm: DeviceScalar | None,
+        skipped: DeviceScalar,
+        nan: DeviceScalar,
         lr: float,
         loss_scale: float,
         iter_ms: float,
+        step_ms: float | None = None,
         global_batch_size: int | None = None,
-    ) -> str | None:
-        """Add one iteration (``iter_ms``: the whole of it, data, step and logging; its global
-        batch, a ramp's, else the final); return the log line when one is due."""
+    ) -> Interval | None:
+        """Add one iteration (``iter_ms``: the whole of it, data, step and logging; ``step_ms``:
+        the step alone; its global batch, a ramp's, else the final); on a log iteration, read the
+        interval and return it with its line. Nothing is read from the device otherwise."""
         self._batch = global_batch_size or self.args.global_batch_size
-        h = self.history
-        for key, val in (
-            ("iterations", iteration),
-            ("losses", loss),
-            ("loss_scales", loss_scale),
-            ("grad_norms", grad_norm),
-            ("lrs", lr),
-        ):
-            h[key].append(val)
-        h["iter_ms"].append(iter_ms)
-        h["skipped"] += skipped
-        h["nan"] += nan
-        self._skipped += skipped
-        self._nan += nan
-        self._ms.append(iter_ms)
-        if not nan:  # a skipped fp16 step still has a true forward loss
-            self._losses.append(loss)
-        if iteration % self.args.log_interval and iteration != self.args.train_iters:
+        row = [
+            iteration,
+            consumed,
+            loss,
+            grad_norm,
+            skipped,
+            nan,
+            lr,
+            loss_scale,
+            iter_ms,
+            step_ms,
+            self._batch,
+        ]
+        self._pending.append(row)  # in ROW's order
+        if not self.due(iteration):
             return None
-        line = self._line(iteration, consumed, lr=lr, loss_scale=loss_scale, grad_norm=grad_norm)
-        self._losses, self._ms, self._skipped, self._nan = [], [], 0, 0
-        return line
+        rows = self.flush()
+        ms = [r["iter_ms"] for r in rows]
+        losses = [r["loss"] for r in rows if not r["nan"]]  # a skipped fp16 step still has a true loss
+        line = self._line(
+            iteration, consumed, lr=lr, loss_scale=loss_scale, grad_norm=rows[-1]["grad_norm"],
+            loss=sum(losses) / len(losses) if losses else float("nan"), iter_s=sum(ms) / len(ms) / 1000,
+            skipped=sum(r["skipped"] for r in rows), nan=sum(r["nan"] for r in rows),
+        )  # fmt: skip
+        return Interval(line, rows)
+
+    def flush(self) -> list[dict]:
+        """Read the iterations recorded since the last read (one copy per device) into ``history``;
+        return them as rows."""
+        flat = to_host([v for row in self._pending for v in row])
+        n = len(self.ROW)
+        rows = [dict(zip(self.ROW, flat[i : i + n], strict=True)) for i in range(0, len(flat), n)]
+        self._pending = []
+        h = self.history
+        for r in rows:
+            r["skipped"], r["nan"] = bool(r["skipped"]), bool(r["nan"])
+            for key, name in (
+                ("iterations", "iteration"),
+                ("losses", "loss"),
+                ("loss_scales", "loss_scale"),
+                ("grad_norms", "grad_norm"),
+                ("lrs", "lr"),
+                ("iter_ms", "iter_ms"),
+            ):
+                h[key].append(r[name])
+            h["skipped"] += r["skipped"]
+            h["nan"] += r["nan"]
+        return rows
 
     def _line(
-        self, iteration: int, consumed: int, *, lr: float, loss_scale: float, grad_norm: float | None
-    ) -> str:
+        self, iteration: int, consumed: int, *, lr: float, loss_scale: float, grad_norm: float | None,
+        loss: float, iter_s: float, skipped: int, nan: int,
+    ) -> str:  # fmt: skip
         a = self.args
-        iter_s = sum(self._ms) / len(self._ms) / 1000
         flops = self.flops * self._batch / a.global_batch_size  # the FLOPs scale with the batch
         tflops = flops / iter_s / self.world_size / 1e12
         return iteration_line(
@@ -227,11 +298,11 @@ class TrainingLog:
             elapsed_ms=1000 * iter_s,
             lr=lr,
             global_batch_size=self._batch,
-            loss=sum(self._losses) / len(self._losses) if self._losses else float("nan"),
+            loss=loss,
             loss_scale=loss_scale,
             grad_norm=grad_norm,
-            skipped=self._skipped,
-            nan=self._nan,
+            skipped=skipped,
+            nan=nan,
             tokens_per_s=self._batch * a.seq_length / iter_s,
             tflops_per_device=tflops,
             mfu=tflops / self.peak if self.peak else None,

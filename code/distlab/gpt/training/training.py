@@ -23,7 +23,6 @@ engine's own back end. :func:`forward_backward` runs the micro-batches one after
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -45,6 +44,7 @@ from distlab.gpt.interfaces import (
 )
 from distlab.gpt.moe.moe_layer import set_aux_loss_scale
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
+from distlab.gpt.optimizer.optimizer import step_unless
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.log import Timer
 from distlab.gpt.transformer.model import GPTModel
@@ -94,15 +94,15 @@ def forward_backward(
     return total / m
 
 
-def reduce_loss(loss: torch.Tensor, state: ParallelState) -> float:
+def reduce_loss(loss: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Mean over the data- and context-parallel group, on every rank of the pipeline (from its
-    last stage)."""
+    last stage): a 0-d tensor on the device, not read here."""
     if state.dp * state.cp > 1:
         dist.all_reduce(loss, group=state.dp_cp_group)
         loss = loss / (state.dp * state.cp)
     if state.pp > 1:
         dist.broadcast(loss, src=state.stage_rank(state.pp - 1), group=state.pp_group)
-    return float(loss)
+    return loss
 
 
 class LocalBackend:
@@ -111,7 +111,8 @@ class LocalBackend:
 
     The dp all-reduce runs in ``grad_buckets`` (default: one bucket, after backward); with
     ``overlap_grad_reduce`` each bucket starts during the last micro-batch's backward. The step is
-    skipped after an fp16 overflow (the scaler backs off) or a non-finite norm.
+    skipped after an fp16 overflow (the scaler backs off: the one read of the device in an fp16
+    step) or a non-finite norm (decided on the device: ``optimizer.step_unless``).
     """
 
     def __init__(
@@ -168,11 +169,11 @@ class LocalBackend:
             self.scaler.update(grads.overflow)
         if grads.overflow:
             return StepOutcome(None, skipped=True)
-        if not math.isfinite(grads.norm):  # finite gradients whose norm is not (fp32's sum of
-            # squares overflowed): no update, with or without a scaler, and the step says so
-            return StepOutcome(grads.norm, skipped=True, nonfinite=True)
-        self.optimizer.step()
-        return StepOutcome(grads.norm, skipped=False)
+        # a norm that is not finite (a gradient inf or nan, or fp32's sum of squares overflowed):
+        # no update, with or without a scaler, and the step says so
+        nonfinite = ~torch.isfinite(grads.norm)  # 0-d bool, on the device
+        step_unless(self.optimizer, nonfinite)
+        return StepOutcome(grads.norm, skipped=nonfinite, nonfinite=nonfinite)
 
     def close(self) -> None:
         if isinstance(self.optimizer, DistributedOptimizer):  # no all-gather left in flight
@@ -186,20 +187,25 @@ def train_step(
     state: ParallelState,
     autocast: AutocastFn = contextlib.nullcontext,
     forward_backward_fn: Callable[..., torch.Tensor] = forward_backward,
+    time_forward_backward: bool = False,
 ) -> StepResult:
     """The one step loop: zero grads, forward/backward every micro-batch through the back end's
-    hook, the mean loss over the data-parallel ranks, the back end's optimizer step. The MoE
+    hook, the mean loss over the data-parallel ranks, the back end's optimizer step. Without
+    ``--fp16`` nothing is read from the device (the result's scalars stay there); with
+    ``time_forward_backward`` (--log-straggler) the forward/backward's own time is measured, which
+    waits for the device (CUDA) at its start and its end. The MoE
     layers' aux losses get the lm loss's backward factor ``S / m`` (Megatron's
     ``MoEAuxLossAutoScaler.set_loss_scale`` in its forward step)."""
     backend.zero_grad()
     scaler = getattr(backend, "scaler", None)  # LocalBackend's (fp16); other back ends have no MoE
     set_aux_loss_scale(backend.module, (scaler.scale if scaler is not None else 1.0) / len(batches))
-    timer = Timer(batches[0][0].device)
+    timer = Timer(batches[0][0].device) if time_forward_backward else None
     loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
-    forward_backward_ms = 1000 * timer.lap()  # before the loss and gradient reductions wait for others
+    # before the loss and gradient reductions wait for others
+    forward_backward_ms = 1000 * timer.lap() if timer is not None else 0.0
     loss = reduce_loss(loss, state)
     outcome = backend.step()
-    nan = not math.isfinite(loss) or outcome.nonfinite
+    nan = ~torch.isfinite(loss) | outcome.nonfinite  # on the device: nothing read here
     return StepResult(
         loss, outcome.grad_norm, skipped=outcome.skipped, nan=nan, forward_backward_ms=forward_backward_ms
     )
@@ -236,4 +242,4 @@ def evaluate(
         loss = forward_backward_fn(model, batches, autocast=autocast, forward_only=True)
         losses.append(reduce_loss(loss, state))
     model.train(was_training)
-    return sum(losses) / max(1, len(losses))
+    return float(torch.stack(losses).mean()) if losses else 0.0  # read once per evaluation
