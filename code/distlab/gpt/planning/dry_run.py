@@ -49,7 +49,7 @@ from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer
 from distlab.gpt.interfaces import MicroBatch
 from distlab.gpt.layout import Layout
-from distlab.gpt.memory.memory_estimate import MemoryEstimate, MemorySetup, activation_bytes
+from distlab.gpt.memory.memory_estimate import MemoryEstimate, MemorySetup, activation_bytes, backward_moments
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.planning.collectives import Collective, record_collectives, summarize
@@ -77,6 +77,16 @@ def model_states(n: int, precision: str, d: int, distributed: bool) -> tuple[flo
     return tuple(n * b for b in per)
 
 
+def megatron_peak(setup: MemorySetup, n: int, precision: str, distributed: bool) -> float:
+    """The estimator's peak (``MemoryEstimate.peak``: max of the step and forward/backward, the
+    gradients made by each moment of backward counted) with Megatron's model states of ``n``
+    parameters in place of the engine's."""
+    p, g, o = model_states(n, precision, setup.dp * setup.cp, distributed)
+    with_grads = max(a + grads for a, grads in backward_moments(setup, g / n))
+    estimate = MemoryEstimate(p, g, o, 0.0, activation_bytes(setup), with_grads)
+    return estimate.peak(accumulating=setup.num_micro_batches > 1)
+
+
 @dataclass
 class DryRun:
     """What a dry run found for one rank (see the module docstring)."""
@@ -87,6 +97,7 @@ class DryRun:
     parameters: int
     precision: str
     activations: float  # bytes, the estimator's
+    setup: MemorySetup  # what the estimator was given
     num_micro_batches: int
     collectives: list[Collective] | None  # None with experts (see the module docstring)
 
@@ -98,8 +109,7 @@ class DryRun:
         return sum(model_states(1, self.precision, self.layout.dp * self.layout.cp, distributed))
 
     def peak(self, distributed: bool) -> float:
-        estimate = MemoryEstimate(*self.states(distributed), 0.0, self.activations)
-        return estimate.peak(accumulating=self.num_micro_batches > 1)
+        return megatron_peak(self.setup, self.parameters, self.precision, distributed)
 
     def report(self) -> list[str]:
         """The lines ``pretrain_gpt.py --dry-run-world-size`` prints, memory in GiB."""
@@ -221,6 +231,7 @@ def dry_run(args: PretrainArgs, layout: Layout, rank: int) -> DryRun:
             parameters=sum(p.numel() for p in model.parameters()),
             precision=precision,
             activations=activation_bytes(setup),
+            setup=setup,
             num_micro_batches=layout.num_micro_batches,
             collectives=calls,
         )

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.layout import Layout
-from distlab.gpt.memory.memory_estimate import MemoryEstimate, MemorySetup, activation_bytes, stage_parameters
-from distlab.gpt.planning.dry_run import GiB, model_states, precision_of
+from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes, stage_parameters
+from distlab.gpt.planning.dry_run import GiB, megatron_peak, model_states, precision_of
 from distlab.gpt.planning.hardware import Hardware
 from distlab.gpt.planning.step_model import StepPrediction, predict_step
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
@@ -102,7 +102,7 @@ def evaluate(
     n = stage_parameters(setup)
     p, g, o = model_states(n, precision_of(args), layout.dp * layout.cp, distributed_optimizer)
     states = {"parameters": p, "gradients": g, "optimizer state": o, "activations": activation_bytes(setup)}
-    peak = MemoryEstimate(p, g, o, 0.0, states["activations"]).peak(accumulating=layout.num_micro_batches > 1)
+    peak = megatron_peak(setup, n, precision_of(args), distributed_optimizer)
     found = Candidate(layout, states, peak, hw.memory_bytes)
     if found.fits:
         found.prediction = predict_step(
