@@ -21,3 +21,13 @@ export LAB_CIFAR_SOURCE=download       # the login node has internet: notebook 0
 export NCCL_DEBUG=WARN                 # INFO prints the rings and the transport NCCL picked
 # export NCCL_SOCKET_IFNAME=ib0        # the interface for NCCL's bootstrap, if several exist
 # export NCCL_IB_HCA=mlx5              # InfiniBand adapters to use
+# Hangs (notebook 12): NCCL's flight recorder. Each rank keeps its last TORCH_FR_BUFFER_SIZE
+# collectives; when one times out, NCCL's watchdog writes them to TORCH_FR_DUMP_TEMP_FILE<rank>, the
+# files the engine's hang report, code/diagnose_hang.py and PyTorch's `torchfrtrace` read (the
+# engine's own default folder, made here: the watchdog does not make it). Not run on a GPU here yet.
+export TORCH_FR_BUFFER_SIZE=2000
+export TORCH_NCCL_DUMP_ON_TIMEOUT=1
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  export TORCH_FR_DUMP_TEMP_FILE="$PWD/flight_recorder_$SLURM_JOB_ID/rank_"
+  mkdir -p "${TORCH_FR_DUMP_TEMP_FILE%/*}"
+fi
