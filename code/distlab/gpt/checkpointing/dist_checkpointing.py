@@ -251,7 +251,12 @@ def load_checkpoint(
     if with_optimizer and distrib:
         _load_distributed_optimizer(optimizer, state_dict["optimizer"]["distrib"])
     elif with_optimizer:
+        # the kernel choices are this run's, not the saver's: a checkpoint of an all-DTensor (FSDP2)
+        # run saved fused=True, which a run mixing DTensor and plain parameters cannot take
+        kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
         set_optimizer_state_dict(model, optimizer, state_dict["optimizer"], options=OPTIONS)
+        for group, own in zip(optimizer.param_groups, kernels, strict=True):
+            group.update(own)
     rngs, (tp_rank, pp_rank, _) = common["rng"], _coords(state)
     # new dp ranks: dp 0's; new tp ranks too: tp 0's default stream, but their own model-parallel
     # stream (tp 0's would repeat its attention-dropout masks)

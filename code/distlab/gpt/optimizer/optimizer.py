@@ -25,6 +25,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distlab.gpt.arguments import PretrainArgs
 
@@ -51,7 +52,10 @@ def make_optimizer(groups: dict[tuple[bool, bool], list], args: PretrainArgs) ->
     Both fused (``fused=True``: one kernel over all parameters, on CPUs and GPUs alike): the
     default foreach AdamW reads every parameter's step count back to the host (two ``.item()``
     per parameter and step), and only a fused optimizer skips an update on the device
-    (:func:`step_unless`).
+    (:func:`step_unless`). Not fused where the model mixes DTensor and plain parameters (DTensor
+    tensor parallelism leaves the layers its plan does not name plain): the gradient norm, and so
+    ``found_inf``, is then a plain tensor, which torch's fused kernel refuses beside DTensor
+    parameters; that path keeps the foreach optimizer and its reads.
     """
     param_groups = [
         {
@@ -62,11 +66,13 @@ def make_optimizer(groups: dict[tuple[bool, bool], list], args: PretrainArgs) ->
         }
         for (no_decay, decoupled), params in sorted(groups.items())
     ]
+    kinds = {isinstance(p, DTensor) for g in param_groups for p in g["params"]}
+    fused = None if len(kinds) > 1 else True
     if args.optimizer in ("adam", "adamw"):
         return torch.optim.AdamW(
-            param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True
+            param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=fused
         )
-    return torch.optim.SGD(param_groups, lr=args.lr, momentum=args.sgd_momentum, fused=True)
+    return torch.optim.SGD(param_groups, lr=args.lr, momentum=args.sgd_momentum, fused=fused)
 
 
 def _decoupled_min_lr(args: PretrainArgs) -> float:
