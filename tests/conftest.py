@@ -96,3 +96,19 @@ def assert_same_training(history: dict, reference: dict, what: str, tol: float =
             atol=tol,
             msg=lambda m, key=key: f"{what}: {key} differ from one process: {m}",
         )
+
+
+def train_plan(rank: int, plan: list, out: str) -> None:
+    """A spawned rank's part of ``plan``, runs ``(name, world, argv, port)`` one after another: each
+    run with ``world`` ranks trains through the whole driver; its history goes to
+    ``out/<name>.rank<rank>.json`` and its log beside it."""
+    import json
+    from pathlib import Path
+
+    from distlab.gpt.tools.local_run import pretrain_as_rank
+
+    torch.set_num_threads(1)
+    for name, world, argv, port in plan:
+        if rank < world:
+            history = pretrain_as_rank(rank, world, port, argv, Path(out, f"{name}.rank{rank}.log"))
+            Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(history))

@@ -32,7 +32,7 @@ from distlab.gpt.context_parallel.ring_attention import (
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
+from distlab.gpt.tools.local_run import prepare_data
 from distlab.logs.exercise import (
     check_long_sequence_run,
     long_sequence_budget,
@@ -40,7 +40,7 @@ from distlab.logs.exercise import (
     long_sequence_run,
 )
 from distlab.logs.formats import ITERATION, PREDICTION
-from tests.conftest import assert_same_training, run_gloo
+from tests.conftest import assert_same_training, run_gloo, train_plan
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -124,14 +124,6 @@ RUNS = {
 }
 
 
-def _worker(rank: int, plan: list, out: str) -> None:
-    torch.set_num_threads(1)
-    for name, world, argv, port in plan:
-        if rank < world:
-            history = pretrain_as_rank(rank, world, port, argv, Path(out, f"{name}.rank{rank}.log"))
-            Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(history))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("gpt_cp")
@@ -141,7 +133,7 @@ def runs(tmp_path_factory) -> Path:
         argv = [*MODEL, *data, "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
                 "--pipeline-model-parallel-size", str(pp)]  # fmt: skip
         plan.append((name, world, argv, free_port()))
-    spawn_ranks(_worker, (plan, str(base)), 4)
+    spawn_ranks(train_plan, (plan, str(base)), 4)
     return base
 
 

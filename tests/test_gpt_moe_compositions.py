@@ -24,11 +24,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from distlab.distributed import free_port, spawn_ranks
-from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
-from tests.conftest import assert_same_training
+from distlab.gpt.tools.local_run import prepare_data
+from tests.conftest import assert_same_training, train_plan
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -79,14 +78,6 @@ RESUMED = ("ep2-save", "ep2-resume")
 REFERENCES = ("reference", "llama-reference")
 
 
-def _worker(rank: int, plan: list, out: str) -> None:
-    torch.set_num_threads(1)
-    for name, world, argv, port in plan:
-        if rank < world:
-            history = pretrain_as_rank(rank, world, port, argv, Path(out, f"{name}.rank{rank}.log"))
-            Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(history))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("gpt_moe")
@@ -96,7 +87,7 @@ def runs(tmp_path_factory) -> Path:
         (name, world, [*MODEL, *data, *extra.format(ckpt=ckpt).split()], free_port())
         for name, (world, extra) in RUNS.items()
     ]
-    spawn_ranks(_worker, (plan, str(base)), max(world for world, _ in RUNS.values()))
+    spawn_ranks(train_plan, (plan, str(base)), max(world for world, _ in RUNS.values()))
     return base
 
 
