@@ -32,9 +32,9 @@ def cluster(tmp_path_factory):
 
 
 def sacct(paths: ClusterPaths, job: str) -> dict[str, list[str]]:
-    """JobID -> [State, Elapsed, MaxRSS, ExitCode] of every step of ``job``."""
+    """JobID -> [State, Elapsed, MaxRSS (in KiB: sacct otherwise picks K or M by size), ExitCode] of every step."""
     out = subprocess.run(
-        ["sacct", "-j", job, "-n", "-P", "--format=JobID,State,Elapsed,MaxRSS,ExitCode"],
+        ["sacct", "-j", job, "-n", "-P", "--units=K", "--format=JobID,State,Elapsed,MaxRSS,ExitCode"],
         env={**os.environ, "SLURM_CONF": str(paths.conf)},
         capture_output=True,
         text=True,
@@ -69,7 +69,7 @@ def test_finished_job_shows_state_elapsed_and_maxrss(cluster):
     assert (state, exit_code) == ("COMPLETED", "0:0")
     hours, minutes, seconds = map(int, elapsed.split(":"))
     assert 3 <= 3600 * hours + 60 * minutes + seconds < 60
-    assert maxrss.endswith("K") and int(maxrss[:-1]) >= 200 * 1024  # the 200 MiB buffer was seen
+    assert maxrss.endswith("K") and float(maxrss[:-1]) >= 200 * 1024  # the 200 MiB buffer was seen
     assert sacct(cluster, job)[job][0] == "COMPLETED"
 
 
