@@ -8,7 +8,8 @@ their edp group of 2, both scaled by 1 / 4 (Megatron's). Without and with --over
 --overlap-param-gather its losses, gradient norms (every expert counted once) and validation loss
 equal one process's (the plain optimizer) within 1e-5. A --ckpt-format torch checkpoint (one file
 per ep rank, each with the dense buckets whole and its own experts' buckets whole) resumes the
-third iteration exactly, and with 2 ranks (ep 2, dp 2: edp 1) within 1e-5.
+third iteration exactly, and with 2 ranks (ep 2, dp 2: edp 1) within 1e-5. Each rank's optimizer
+state is what the memory estimator predicts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ import pytest
 import torch
 
 from distlab.distributed import free_port, spawn_ranks
+from distlab.gpt.memory.memory_estimate import estimate
+from distlab.gpt.memory.meters import MiB
+from distlab.gpt.memory.setup import MemorySetup
 from distlab.gpt.tools.local_run import prepare_data
+from distlab.logs.formats import MEMORY
 from tests.conftest import assert_same_training, train_plan
 
 pytestmark = pytest.mark.timeout(400)
@@ -73,6 +78,19 @@ def test_expert_parallel_distributed_optimizer_equals_one_process(runs: Path, na
     assert "sharded over dp x cp = 4 ranks" in log
     assert "expert parameters over their expert-data-parallel group of d = 2 rank(s)" in log
     assert "12 bytes per parameter per rank" in log  # fp32 experts: 8 + 8/2
+
+
+def test_each_ranks_optimizer_state_is_the_estimators(runs: Path) -> None:
+    """fp32 moments, 8 bytes per value: the dense ones over 4 ranks, the experts' over 2 (Megatron's
+    8 + 8/d with each kind's d), as ``memory_estimate`` predicts (8 x 59,328 / 4 bytes if it did not)."""
+    setup = MemorySetup(num_layers=2, hidden_size=32, seq_length=16, num_attention_heads=4, vocab_size=512,
+                        micro_batch_size=2, precision="fp32", dp=4, ep=2, num_experts=4,
+                        distributed_optimizer=True)  # fmt: skip
+    predicted = estimate(setup).optimizer_state
+    lines = MEMORY.parse((runs / "ep2.rank0.log").read_text())
+    assert len(lines) == 4 and predicted > 8 * lines[0]["values"] / 4 * 1.5
+    for line in lines:
+        assert line["optim_mib"] == pytest.approx(predicted / MiB, abs=0.01)
 
 
 def test_checkpoint_has_the_dense_and_each_ep_ranks_expert_buckets(runs: Path) -> None:
