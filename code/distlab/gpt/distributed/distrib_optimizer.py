@@ -162,10 +162,9 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict | None:
         """``--ckpt-format torch``: every bucket's tensors gathered whole (unpadded) on rank 0 of its
-        group, which writes the file (None on the others); collective over dp x cp. With ep > 1 the
-        writers are the expert-data-parallel ranks 0 (the first ep ranks of the dp x cp group, one
-        file per ep rank), each with its own experts' buckets; dense rank 0 sends them the dense
-        buckets (a broadcast over their ep group), so that every file holds them, as the weights."""
+        group, which writes the file (None elsewhere); collective over dp x cp. ep > 1: the writers,
+        edp ranks 0 (the dp x cp group's first ep ranks, a file per ep rank), gather their experts'
+        buckets; dense rank 0 broadcasts them the dense ones: each file holds them, as the weights."""
         self.buffer.finish_param_sync()
         buckets = [self._gathered(i) for i in range(len(self.buffer.buckets))]
         if self.parallel.ep > 1:
@@ -194,15 +193,15 @@ class DistributedOptimizer:
         """ep > 1: the dense buckets' whole tensors from dp x cp rank 0 to the other writers."""
         if dist.get_rank(self.buffer.group) >= self.parallel.ep:
             return  # not in the first ep group of the dp x cp group: writes nothing
-        for i in range(self.buffer.num_dense):
-            bucket = self.buffer.buckets[i]
-            if buckets[i] is None:
-                empty = torch.empty(bucket.numel, device=bucket.param_data.device)  # (n,) fp32
+        keys = ("param", *self.moment_keys)
+        for i, bucket in enumerate(self.buffer.buckets[: self.buffer.num_dense]):
+            if buckets[i] is None:  # (n,) fp32 each, filled by the broadcast
+                device = bucket.param_data.device
                 buckets[i] = {
                     "numel": bucket.numel,
-                    **{k: empty.clone() for k in ("param", *self.moment_keys)},
+                    **{k: torch.empty(bucket.numel, device=device) for k in keys},
                 }
-            for key in ("param", *self.moment_keys):
+            for key in keys:
                 dist.broadcast(buckets[i][key], group=self.parallel.ep_group, group_src=0)
 
     def load_state_dict(self, saved: dict) -> None:

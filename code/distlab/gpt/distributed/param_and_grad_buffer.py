@@ -31,9 +31,10 @@ or 8 / d (fp32: the moments; the parameter is its own main copy).
 ``overlap_grad_reduce``: the last gradient of a bucket accumulated during the step's last
 micro-batch starts its reduce-scatter at once (held back: the bucket of the tied embedding, whose
 two stages' gradients are summed first). ``overlap_param_gather``: after the step only the bucket
-the forward needs first (the last one) starts its all-gather; a module's forward pre-hook waits for
-the bucket of its parameters and starts the next one of its kind (Megatron's chain, one per list). Without them the same
-collectives run one after the other, with the same sums: the flags move when, never what.
+the forward needs first (the last one of each kind) starts its all-gather; a module's forward
+pre-hook waits for the bucket of its parameters and starts the next one of its kind (Megatron's
+chain, one per list). Without them the same collectives run one after the other, with the same
+sums: the flags move when, never what.
 """
 
 from __future__ import annotations
@@ -53,7 +54,13 @@ class Bucket:
     ``group`` (``d`` ranks, this one ``rank``), the gradients scaled by ``scale`` first."""
 
     def __init__(
-        self, params: list[nn.Parameter], group, d: int, rank: int, scale: float, dtypes: tuple
+        self,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup | None,
+        d: int,
+        rank: int,
+        scale: float,
+        dtypes: tuple[torch.dtype, torch.dtype],  # the parameters', the gradients'
     ) -> None:
         dtype, grad_dtype = dtypes
         self.group, self.d, self.scale = group, d, scale
@@ -99,9 +106,10 @@ class ParamAndGradBuffer:
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         trained = [p for p in params if p.requires_grad]
         experts = [p for p in trained if state.ep > 1 and is_expert(p)]
-        kinds = [([p for p in trained if not (state.ep > 1 and is_expert(p))], self.group, self.d)]
-        if experts:
-            kinds.append((experts, state.edp_group, self.d // state.ep))
+        dense = [p for p in trained if not (state.ep > 1 and is_expert(p))]
+        kinds = [(dense, self.group, self.d)] + (
+            [(experts, state.edp_group, self.d // state.ep)] if experts else []
+        )
         self.buckets: list[Bucket] = []
         self.next_gather: list[int | None] = []  # the bucket of the same kind the forward needs next
         for n, (kind, group, d) in enumerate(kinds):
@@ -162,7 +170,7 @@ class ParamAndGradBuffer:
         each kind (the last bucket of each: the others follow in :meth:`wait_param_sync`)."""
         self.pending = {i for i, bucket in enumerate(self.buckets) if bucket.d > 1}
         if self.overlap_param_gather:
-            for i in self.pending - {j for j in self.next_gather if j is not None}:
+            for i in sorted(self.pending - {j for j in self.next_gather if j is not None}):
                 self._all_gather(i)
         else:
             self.finish_param_sync()
