@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from distlab.distributed import free_port, spawn_ranks
+from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer
+from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import estimate
 from distlab.gpt.memory.meters import MiB
 from distlab.gpt.memory.setup import MemorySetup
+from distlab.gpt.moe.moe_layer import MoEConfig
+from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data
+from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.logs.formats import MEMORY
-from tests.conftest import assert_same_training, train_plan
+from tests.conftest import assert_same_training, run_gloo, train_plan
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -128,3 +134,27 @@ def test_resume_exactly_and_on_two_ranks(runs: Path) -> None:
     for key in ("losses", "grad_norms"):
         assert same[key][0] == whole[key][2], key
         assert half[key][0] == pytest.approx(whole[key][2], rel=TOL, abs=TOL), key
+
+
+def _every_bucket_waited_rank(ctx) -> None:
+    """An untied MoE GPT in buckets of about one matrix each, dp 2: after the step's all-gathers
+    start, one forward waits for every bucket in its modules' pre-hooks (an expert's fc1 and fc2,
+    read by the expert's own forward, and the output layer, read by the model's, included)."""
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, max_position_embeddings=16,
+                    untie_embeddings_and_output_weights=True, moe=MoEConfig(num_experts=4))  # fmt: skip
+    model = GPTModel(cfg, ParallelState.build(Layout(2)))
+    args = SimpleNamespace(optimizer="adam", lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+                           adam_eps=1e-8, decoupled_lr=None, decoupled_min_lr=None, ddp_bucket_size=1000,
+                           overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_bf16=False)  # fmt: skip
+    buffer = build_distributed_optimizer(model, model.state, args, torch.float32).buffer
+    experts = {i for i, b in enumerate(buffer.buckets) if all(".experts." in n for n, p in model.named_parameters()
+                                                              if any(p is q for q in b.params))}  # fmt: skip
+    assert len(buffer.buckets) > 10 and experts, len(buffer.buckets)  # buckets of experts' weights alone
+    buffer.start_param_sync()
+    assert len(buffer.pending) == len(buffer.buckets)
+    model(torch.randint(0, 128, (2, 16)))
+    assert not buffer.pending, sorted(buffer.pending)
+
+
+def test_one_forward_waits_for_every_bucket() -> None:
+    run_gloo(_every_bucket_waited_rank, 2)

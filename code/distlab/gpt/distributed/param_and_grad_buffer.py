@@ -199,13 +199,16 @@ class ParamAndGradBuffer:
             self.wait_param_sync(i)
 
     def register_forward_pre_hooks(self, model: nn.Module) -> None:
-        """``--overlap-param-gather``: each module waits for its own parameters' buckets (and its
-        children's, when its forward reads them itself: ``reads_child_parameters``, the experts)."""
+        """``--overlap-param-gather``: each module waits for its own parameters' buckets, and for
+        those of the children whose parameters its forward reads itself, never calling theirs (named
+        by ``reads_parameters_of``: an expert's fc1 and fc2, the GPT's untied output layer)."""
         for module in model.modules():
-            recurse = getattr(module, "reads_child_parameters", False)
-            owned = sorted(
-                {self.bucket_of[p] for p in module.parameters(recurse=recurse) if p in self.bucket_of}
-            )
+            read = [getattr(module, name, None) for name in getattr(module, "reads_parameters_of", ())]
+            params = [
+                *module.parameters(recurse=False),
+                *(p for m in read if m is not None for p in m.parameters()),
+            ]
+            owned = sorted({self.bucket_of[p] for p in params if p in self.bucket_of})
             if owned:
                 module.register_forward_pre_hook(lambda _m, _a, owned=owned: self._wait_all(owned))
 

@@ -33,7 +33,7 @@ class ExpertMLP(nn.Module):
 
     #: Its forward reads fc1's and fc2's parameters itself (F.linear), never calling theirs: the
     #: distributed optimizer's --overlap-param-gather waits for their buckets in this module's hook.
-    reads_child_parameters = True
+    reads_parameters_of = ("fc1", "fc2")
 
     def __init__(
         self,
