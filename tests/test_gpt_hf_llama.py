@@ -113,21 +113,22 @@ def test_transformers_model_converted_in_computes_and_generates_the_same(family,
     assert out.strip().splitlines()[-1] == " ".join(map(str, ours.tokens))
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_course_to_hf_to_course_is_bit_equal(family, tmp_path):
-    """A tp 2 checkpoint (written for tp 2 from one random model, not trained) out and back in."""
-    model, args = course_model(family, tensor_model_parallel_size=2)
+@pytest.mark.parametrize("family,pp", [("llama", 2), ("mixtral", 1)], ids=["llama-tp2-pp2", "mixtral-tp2"])
+def test_course_to_hf_to_course_is_bit_equal(family, pp, tmp_path):
+    """A tp 2 (x pp 2: the untied output layer on the last stage) checkpoint, written for that
+    layout from one random model (not trained), out and back in: every rank's file equal."""
+    layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=pp)
+    model, args = course_model(family, **layout)
     course_checkpoint.write_release(str(tmp_path / "ckpt"), args, model.cfg, model.state_dict())
-    assert (
-        convert_checkpoint.main(
-            ["--to", "hf", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "hf")]
-        )
-        == 0
-    )
+    out = ["--to", "hf", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "hf")]
+    assert convert_checkpoint.main(out) == 0
     argv = ["--from", "hf", "--load", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
-            "--target-tensor-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]  # fmt: skip
+            "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", str(pp),
+            "--make-vocab-size-divisible-by", "64"]  # fmt: skip
     assert convert_checkpoint.main(argv) == 0
-    for rank in ("mp_rank_00", "mp_rank_01"):
+    ranks = sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir())
+    assert len(ranks) == 2 * pp and ranks == sorted(p.name for p in (tmp_path / "back" / "release").iterdir())
+    for rank in ranks:
         original, again = (torch.load(tmp_path / d / "release" / rank / "model_optim_rng.pt", weights_only=False)
                            for d in ("ckpt", "back"))  # fmt: skip
         assert original["model"].keys() == again["model"].keys()
@@ -135,3 +136,5 @@ def test_course_to_hf_to_course_is_bit_equal(family, tmp_path):
             assert torch.equal(tensor, again["model"][name]), f"{rank} {name}"
         for name in LLAMA_ARGS | FAMILIES[family][1]:
             assert again["args"][name] == original["args"][name], name
+        assert ("output_layer.weight" in again["model"]) is (pp == 1 or rank.endswith("_001"))  # last stage
+        assert "output_weight" not in again["model"]  # untied: no copy of E
