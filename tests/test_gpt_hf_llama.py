@@ -3,7 +3,7 @@ themselves (small random configurations that transformers builds, nothing downlo
 within 1e-5 in fp32 both ways (grouped-query attention, RoPE with a base of its own, SwiGLU,
 RMSNorm, tied and untied output, top-2 routing over 4 experts), greedy generation token for token
 with and without the KV cache (``generate.py`` too), course -> HF -> course bit-equal from a tp 2
-checkpoint."""
+checkpoint, and a converted Llama that ``pretrain_gpt.py --load`` continues."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.build import model_config
@@ -18,6 +19,7 @@ from distlab.gpt.inference import course_checkpoint, hf_checkpoint
 from distlab.gpt.inference.generation import Sampling, generate
 from distlab.gpt.inference.llama import LLAMA
 from distlab.gpt.inference.mixtral import MIXTRAL
+from distlab.gpt.tools.local_run import spawn_pretrain
 from distlab.gpt.transformer.model import GPTModel
 from tests.conftest import entry_script
 
@@ -138,3 +140,31 @@ def test_course_to_hf_to_course_is_bit_equal(family, pp, tmp_path):
             assert again["args"][name] == original["args"][name], name
         assert ("output_layer.weight" in again["model"]) is (pp == 1 or rank.endswith("_001"))  # last stage
         assert "output_weight" not in again["model"]  # untied: no copy of E
+
+
+def test_a_converted_llama_continues_in_pretrain_gpt(tmp_path, capsys):
+    """transformers -> course -> ``pretrain_gpt.py`` with the flags the converter prints (one
+    process, mock data, lr 0) -> transformers again: the weights come back bit-equal."""
+    hf_model("llama", tmp_path / "hf")
+    assert (
+        convert_checkpoint.main(
+            ["--from", "hf", "--load", str(tmp_path / "hf"), "--save", str(tmp_path / "c")]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out.split("> continue it with: pretrain_gpt.py ")[1].split()
+    assert "--swiglu" in printed and "--disable-bias-linear" in printed and "--rotary-base" in printed
+    argv = [*printed, "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "0",
+            "--min-lr", "0", "--train-iters", "2", "--eval-iters", "0", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "127", "--distributed-backend", "gloo", "--save", str(tmp_path / "t")]  # fmt: skip
+    run = spawn_pretrain(argv, 1, tmp_path / "run")
+    assert f"> loaded checkpoint from {tmp_path / 'c'} at iteration 0" in run.log
+    assert len(run.last["losses"]) == 2 and all(torch.isfinite(torch.tensor(run.last["losses"])))
+    assert (
+        convert_checkpoint.main(
+            ["--to", "hf", "--load", str(tmp_path / "t"), "--save", str(tmp_path / "again")]
+        )
+        == 0
+    )
+    before, after = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "again"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
