@@ -9,7 +9,8 @@ Reading (:func:`inspect`, then :func:`read_model`)::
                 from the tp ranks' parts (``tensor_parallel.unshard``, the inverse of the
                 initialiser's ``shard``); pipeline stages hold disjoint global names (blocks by
                 their global index, every virtual chunk); the last stage's ``output_weight`` is
-                wte again (tied) and is dropped; cp ranks hold copies, dp rank 0 wrote them
+                wte again (tied) and is dropped, an untied ``output_layer`` kept; cp ranks hold
+                copies, dp rank 0 wrote them
     torch_dist  DCP's ``.metadata`` holds every tensor's global shape: ``dcp.load`` without a
                 process group assembles FSDP2's and DTensor TP's shards, and an ep run's experts
                 (each saved by its own rank), into whole tensors
@@ -20,7 +21,8 @@ embedding's rows (x tp for the torch format).
 
 Writing (:func:`write_release`): ``release/mp_rank_<tp>[_<pp>]/model_optim_rng.pt`` per rank of the
 target tp x pp, each the model's state dict for that rank (the parts ``shard`` cuts, the stage's
-blocks), the arguments and no optimizer, RNG or iteration; ``--load`` of it starts at iteration
+blocks; E on the first stage, the final norm and an untied ``output_layer`` on the last, and there
+a copy of E when tied and pp > 1), the arguments and no optimizer, RNG or iteration; ``--load`` of it starts at iteration
 0 with the run's own optimizer and seed (``checkpointing.load_checkpoint``).
 """
 
