@@ -186,31 +186,46 @@ def test_a_llama_run_transformers_cannot_express(tmp_path, capsys, no_weights_re
     assert "no converter knows this course model" in err and flag in err
 
 
-@pytest.fixture(scope="module", params=[llama.LLAMA, mixtral.MIXTRAL], ids=["llama", "mixtral"])
-def llama_folder(request, tmp_path_factory):
-    """A transformers folder of the family, from a course model (its initial weights)."""
-    args = PretrainArgs(**LLAMA, **({"num_experts": 2} if request.param is mixtral.MIXTRAL else {}))
-    cfg = model_config(args, 128)
-    folder = tmp_path_factory.mktemp(request.param.model_type)
-    hf_checkpoint.write(str(folder), request.param, cfg, args, GPTModel(cfg).state_dict(), None)
-    return folder
+@pytest.fixture(scope="module")
+def llama_folders(tmp_path_factory) -> dict:
+    """A transformers folder of each family, from a course model (its initial weights)."""
+    folders = {}
+    for arch, extra in ((llama.LLAMA, {}), (mixtral.MIXTRAL, {"num_experts": 2})):
+        args = PretrainArgs(**LLAMA, **extra)
+        cfg = model_config(args, 128)
+        folders[arch.model_type] = tmp_path_factory.mktemp(arch.model_type)
+        hf_checkpoint.write(str(folders[arch.model_type]), arch, cfg, args, GPTModel(cfg).state_dict(), None)
+    return folders
+
+
+BOTH = ("llama", "mixtral")
+CANNOT = [  # (families, config.json change, error); attention_bias is Llama's field, sliding_window Mixtral's
+    (("llama",), {"attention_bias": True}, "attention_bias True (the course computes no bias"),
+    (BOTH, {"hidden_act": "gelu"}, "hidden_act 'gelu' (the course computes SwiGLU's silu"),
+    (
+        BOTH,
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+        "rope_type 'linear'",
+    ),
+    (
+        BOTH,
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4 + 0.5}},
+        "an integer --rotary-base",
+    ),
+    (BOTH, {"num_key_value_heads": 4}, "config.json does not match model.safetensors"),
+    (("mixtral",), {"sliding_window": 8}, "sliding_window 8 positions"),
+]
 
 
 @pytest.mark.parametrize(
-    "change,error",
-    [({"attention_bias": True}, "attention_bias True (the course computes no bias"),
-     ({"hidden_act": "gelu"}, "hidden_act 'gelu' (the course computes SwiGLU's silu"),
-     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type 'linear'"),
-     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4 + 0.5}}, "an integer --rotary-base"),
-     ({"num_key_value_heads": 4}, "config.json does not match model.safetensors"),
-     ({"sliding_window": 8}, "sliding_window 8 positions")],
-    ids=["bias", "gelu", "rope-scaling", "rope-theta", "kv-heads", "sliding-window"],
-)  # fmt: skip
-def test_a_llama_the_course_cannot_compute(llama_folder, tmp_path, capsys, no_weights_read, change, error):
-    family, field = llama_folder.name.rstrip("0123456789"), next(iter(change))
-    if {"sliding_window": "mixtral", "attention_bias": "llama"}.get(field, family) != family:
-        pytest.skip(f"{family} has no {field}")
-    folder = edited(llama_folder, tmp_path, **change)
+    "family,change,error",
+    [(f, change, error) for families, change, error in CANNOT for f in families],
+    ids=[f"{f}-{next(iter(change))}" for families, change, _ in CANNOT for f in families],
+)
+def test_a_llama_the_course_cannot_compute(
+    llama_folders, tmp_path, capsys, no_weights_read, family, change, error
+):
+    folder = edited(llama_folders[family], tmp_path, **change)
     err = convert_fails(capsys, "--from", "hf", "--load", str(folder), "--save", str(tmp_path / "o"))
     assert error in err, err
 
