@@ -1,8 +1,9 @@
 """Convert checkpoints between the course and Hugging Face transformers.
 
 Course -> transformers (a folder ``AutoModelForCausalLM.from_pretrained`` loads as
-``GPT2LMHeadModel``, with the tokenizer ``AutoTokenizer`` loads; from any ``pretrain_gpt.py --save``
-folder, either ``--ckpt-format``, any layout)::
+``GPT2LMHeadModel`` (the course GPT), ``LlamaForCausalLM`` (a run with Llama's flags) or
+``MixtralForCausalLM`` (those and ``--num-experts``), with the tokenizer ``AutoTokenizer`` loads;
+from any ``pretrain_gpt.py --save`` folder, either ``--ckpt-format``, any layout)::
 
     python code/convert_checkpoint.py --to hf --load runs/gpt/ckpt --save runs/gpt/hf
     python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('runs/gpt/hf')"
@@ -17,8 +18,8 @@ layout the run that continues it uses; its tokenizer files are copied beside it)
         --vocab-file runs/gpt/from_hf/vocab.json --merge-file runs/gpt/from_hf/merges.txt
 
 The run that loads it gives the same model shape (printed here) and starts at iteration 0 with a
-fresh optimizer. The weight-by-weight mapping is in ``distlab/gpt/inference/gpt2.py``; the
-vocabulary padding in ``distlab/gpt/inference/hf_checkpoint.py``. Bad input (a folder that is no
+fresh optimizer. The weight-by-weight mappings are in ``distlab/gpt/inference/gpt2.py``,
+``llama.py`` and ``mixtral.py``; the vocabulary padding in ``distlab/gpt/inference/hf_checkpoint.py``. Bad input (a folder that is no
 checkpoint, a model the converter does not know, a configuration that does not match the weights,
 a tokenizer that does not fit the vocabulary) is refused before any weight is read.
 """
@@ -26,10 +27,12 @@ a tokenizer that does not fit the vocabulary) is refused before any weight is re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.build import model_config
 from distlab.gpt.data.tokenizer import GPT2BPETokenizer
 from distlab.gpt.inference import course_checkpoint, hf_checkpoint
 from distlab.gpt.inference.architecture import ConversionError
@@ -84,18 +87,33 @@ def from_hf(opts: argparse.Namespace) -> str:
         files = {"vocab_file": vocab_file, "merge_file": merge_file}
     args = PretrainArgs(**shape, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by, **files)  # fmt: skip
-    cfg = hf.arch.course_config(args, vocab)
-    weights = hf_checkpoint.read_weights(hf)
-    weights["transformer.wte.weight"] = hf_checkpoint.fit_vocabulary(weights["transformer.wte.weight"], vocab)
-    folder = course_checkpoint.write_release(opts.save, args, cfg, hf.arch.from_hf(weights, cfg))
-    flags = " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in shape.items() if "dropout" not in k and v is not None
-    )
+    cfg = model_config(args, vocab)
+    full = hf.arch.from_hf(hf_checkpoint.read_weights(hf), cfg)
+    for name in ("wte.weight", "output_layer.weight"):  # E and an untied output layer: (V, H)
+        if name in full:
+            full[name] = hf_checkpoint.fit_vocabulary(full[name], vocab)
+    folder = course_checkpoint.write_release(opts.save, args, cfg, full)
+    flags = " ".join(flag for k, v in shape.items() if "dropout" not in k and (flag := as_flag(k, v)))
+    if shape.get("num_experts") and tp > 1:
+        flags += " --sequence-parallel"  # MoE with tp trains with SP (moe_layer.tensor_parallel_error)
     return (
         f"> {hf.arch.hf_class} from {opts.load} -> {folder} (release, tp {tp} x pp {pp}, padded vocabulary "
         f"{vocab} from {rows} rows)\n> continue it with: pretrain_gpt.py --load {opts.save} {flags} "
         f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
     )
+
+
+def as_flag(name: str, value) -> str | None:
+    """A ``PretrainArgs`` field's value as its flag: ``--swiglu``, ``--disable-bias-linear``,
+    ``--norm-epsilon 1e-05``; None for a default switch or None."""
+    meta = next(f.metadata for f in dataclasses.fields(PretrainArgs) if f.name == name)
+    flag = meta.get("flag", "--" + name.replace("_", "-"))
+    if isinstance(value, bool):  # a switch: store_true, or store_false for the --disable-* / --no-* ones
+        given = value if meta.get("action") != "store_false" else not value
+        return flag if given else None
+    if value is None:
+        return None
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
 def target_vocabulary(hf: hf_checkpoint.HFCheckpoint, divisible_by: int, tp: int) -> int:
@@ -113,7 +131,7 @@ def target_vocabulary(hf: hf_checkpoint.HFCheckpoint, divisible_by: int, tp: int
 
 
 def check_layout(shape: dict, tp: int, pp: int) -> None:
-    """Heads and MLP width split over tp, layers over pp."""
+    """Heads and MLP width split over tp, layers over pp; K/V groups split or replicated over tp."""
     ffn = shape["ffn_hidden_size"] or 4 * shape["hidden_size"]
     sizes = (("heads", shape["num_attention_heads"], tp, "tensor"), ("ffn", ffn, tp, "tensor"),
              ("layers", shape["num_layers"], pp, "pipeline"))  # fmt: skip
@@ -122,6 +140,9 @@ def check_layout(shape: dict, tp: int, pp: int) -> None:
         for what, n, p, kind in sizes
         if n % p
     ]
+    g = shape.get("num_query_groups") if shape.get("group_query_attention") else None
+    if g is not None and g % tp and tp % g:
+        errors.append(f"K/V heads {g} neither a multiple nor a divisor of --target-tensor-parallel-size {tp}")
     if errors:
         raise ConversionError("; ".join(errors))
 

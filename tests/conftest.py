@@ -112,3 +112,14 @@ def train_plan(rank: int, plan: list, out: str) -> None:
         if rank < world:
             history = pretrain_as_rank(rank, world, port, argv, Path(out, f"{name}.rank{rank}.log"))
             Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(history))
+
+
+def entry_script(name: str):
+    """An entry script of code/ (``generate``, ``convert_checkpoint``) as a module, to call its
+    ``main`` in this process (the tests then see which functions it reaches)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "code" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,7 +5,6 @@ that does not match the weights, a vocabulary mismatch, a prompt longer than the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,28 +12,20 @@ import shutil
 import pytest
 import torch
 
-from distlab import REPO_ROOT
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.build import model_config
 from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.data.tokenizers import TokenizerSpec
-from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint
+from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint, llama, mixtral
 from distlab.gpt.moe.moe_layer import MoEConfig
 from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from tests.conftest import entry_script
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
-def _script(name: str):
-    """An entry script of code/ as a module (called in this process, so that the tests can see
-    which functions it reaches)."""
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "code" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-convert_checkpoint, generate = _script("convert_checkpoint"), _script("generate")
+convert_checkpoint, generate = entry_script("convert_checkpoint"), entry_script("generate")
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,7 +153,8 @@ def test_a_prompt_longer_than_the_positions(course_folder, capsys, no_weights_re
 
 
 def test_a_course_model_the_converter_does_not_know(tmp_path, capsys, no_weights_read):
-    """A mixture of experts (no transformers family for it yet) is refused, by generate.py too."""
+    """A GeLU mixture of experts with biases (neither GPT-2 nor Mixtral) is refused, by generate.py
+    too, each family naming the flags the run lacks."""
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128,
                     max_position_embeddings=16, moe=MoEConfig(num_experts=2))  # fmt: skip
     args = PretrainArgs(
@@ -170,9 +162,72 @@ def test_a_course_model_the_converter_does_not_know(tmp_path, capsys, no_weights
     )
     course_checkpoint.write_release(str(tmp_path / "moe"), args, cfg, GPTModel(cfg).state_dict())
     err = convert_fails(capsys, "--to", "hf", "--load", str(tmp_path / "moe"), "--save", str(tmp_path / "o"))
-    assert "no converter knows this course model" in err and "--num-experts 2" in err
+    assert "no converter knows this course model" in err
+    assert "GPT (GPT-2 architecture) needs no --num-experts (the run has num_experts 2)" in err
+    assert "Llama-MoE (Mixtral architecture) needs --normalization RMSNorm" in err and "--swiglu" in err
     assert generate.main(["--load", str(tmp_path / "moe"), "--prompt-ids", "1 2"]) == 2
     assert "no converter knows this course model" in capsys.readouterr().err
+
+
+LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+             ffn_hidden_size=48, max_position_embeddings=16, position_embedding_type="rope", normalization="RMSNorm",
+             swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra,flag",
+    [({"layernorm_zero_centered_gamma": True}, "Llama needs no --apply-layernorm-1p"),
+     ({"num_experts": 2, "moe_expert_capacity_factor": 1.0}, "needs no --moe-expert-capacity-factor (dropless)")],
+)  # fmt: skip
+def test_a_llama_run_transformers_cannot_express(tmp_path, capsys, no_weights_read, extra, flag):
+    args = PretrainArgs(**LLAMA, **extra)
+    course_checkpoint.write_release(str(tmp_path / "c"), args, model_config(args, 128), {})
+    err = convert_fails(capsys, "--to", "hf", "--load", str(tmp_path / "c"), "--save", str(tmp_path / "o"))
+    assert "no converter knows this course model" in err and flag in err
+
+
+@pytest.fixture(scope="module")
+def llama_folders(tmp_path_factory) -> dict:
+    """A transformers folder of each family, from a course model (its initial weights)."""
+    folders = {}
+    for arch, extra in ((llama.LLAMA, {}), (mixtral.MIXTRAL, {"num_experts": 2})):
+        args = PretrainArgs(**LLAMA, **extra)
+        cfg = model_config(args, 128)
+        folders[arch.model_type] = tmp_path_factory.mktemp(arch.model_type)
+        hf_checkpoint.write(str(folders[arch.model_type]), arch, cfg, args, GPTModel(cfg).state_dict(), None)
+    return folders
+
+
+BOTH = ("llama", "mixtral")
+CANNOT = [  # (families, config.json change, error); attention_bias is Llama's field, sliding_window Mixtral's
+    (("llama",), {"attention_bias": True}, "attention_bias True (the course computes no bias"),
+    (BOTH, {"hidden_act": "gelu"}, "hidden_act 'gelu' (the course computes SwiGLU's silu"),
+    (
+        BOTH,
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+        "rope_type 'linear'",
+    ),
+    (
+        BOTH,
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4 + 0.5}},
+        "an integer --rotary-base",
+    ),
+    (BOTH, {"num_key_value_heads": 4}, "config.json does not match model.safetensors"),
+    (("mixtral",), {"sliding_window": 8}, "sliding_window 8 positions"),
+]
+
+
+@pytest.mark.parametrize(
+    "family,change,error",
+    [(f, change, error) for families, change, error in CANNOT for f in families],
+    ids=[f"{f}-{next(iter(change))}" for families, change, _ in CANNOT for f in families],
+)
+def test_a_llama_the_course_cannot_compute(
+    llama_folders, tmp_path, capsys, no_weights_read, family, change, error
+):
+    folder = edited(llama_folders[family], tmp_path, **change)
+    err = convert_fails(capsys, "--from", "hf", "--load", str(folder), "--save", str(tmp_path / "o"))
+    assert error in err, err
 
 
 def test_a_target_layout_that_does_not_split_the_model(hf_folder, tmp_path, capsys, no_weights_read):

@@ -351,13 +351,10 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
     )
 
 
-def build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
-    """This rank's stage and tensor-parallel shard of the GPT (whole with DTensor TP: split later)."""
-    # dropout; the weights come from init_parameters. Megatron's two streams (tensor_parallel/rng_tracker.py):
-    # the default one alike on the tp ranks, the model-parallel one (+ 2718 + tp_rank) for what
-    # each tp rank holds alone (its heads; with SP its positions)
-    model_parallel_manual_seed(args.seed + 100 * state.pp_rank, state.tp_rank)
-    cfg = GPTConfig(
+def model_config(args: PretrainArgs, vocab: int, sequence_parallel: bool = False) -> GPTConfig:
+    """The ``GPTConfig`` the arguments build, for V = ``vocab`` padded rows (``build_model``'s; the
+    converter and ``generate.py`` build the whole model of a checkpoint from its saved arguments)."""
+    return GPTConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -384,8 +381,19 @@ def build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: to
         attention_backend=args.attention_backend,
         seed=args.seed,
         moe=moe_config(args),
-        # SP by this engine's layers; with dtensor, DTensor's SequenceParallel plan does it instead
-        sequence_parallel=state.layout.sequence_parallel and args.tensor_parallel_impl == "megatron",
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
+    """This rank's stage and tensor-parallel shard of the GPT (whole with DTensor TP: split later)."""
+    # dropout; the weights come from init_parameters. Megatron's two streams (tensor_parallel/rng_tracker.py):
+    # the default one alike on the tp ranks, the model-parallel one (+ 2718 + tp_rank) for what
+    # each tp rank holds alone (its heads; with SP its positions)
+    model_parallel_manual_seed(args.seed + 100 * state.pp_rank, state.tp_rank)
+    # SP by this engine's layers; with dtensor, DTensor's SequenceParallel plan does it instead
+    cfg = model_config(
+        args, vocab, state.layout.sequence_parallel and args.tensor_parallel_impl == "megatron"
     )
     dtensor = args.tensor_parallel_impl == "dtensor"  # unsharded here, split by parallelize_model
     return GPTModel(cfg, None if dtensor else state).to(device)

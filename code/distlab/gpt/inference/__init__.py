@@ -5,6 +5,8 @@ from Hugging Face transformers (Megatron Core's ``inference/``, Megatron-LM's ``
     generation.py         greedy, temperature, top-k, top-p; the loop with or without the cache
     architecture.py       the record one model family fills; families.py lists them
     gpt2.py               the course GPT <-> GPT2LMHeadModel, weight by weight
+    llama.py              the course's Llama <-> LlamaForCausalLM (RoPE's rotate-half, GQA, SwiGLU)
+    mixtral.py            the course's Llama-MoE <-> MixtralForCausalLM (router, experts' w1/w3/w2)
     course_checkpoint.py  a course checkpoint of any layout read whole; a release one written
     hf_checkpoint.py      a transformers folder (config, safetensors, tokenizer) written and read
 

@@ -1,16 +1,16 @@
 """The :class:`Architecture` record that each model family's module fills (``families.py`` lists them).
 
-A family is: the test that a run's arguments build it (:attr:`Architecture.matches`), its
-``GPTConfig`` from those arguments, its transformers ``config.json`` from the ``GPTConfig`` and back
-(as course argument values, refusing what the course cannot compute), and the two weight maps,
-each a function of whole (unsharded) state dicts. Sharding, files and tokenizers are the same for
-every family and live in ``course_checkpoint.py`` and ``hf_checkpoint.py``.
+A family is: the flags a run must have (or leave out) to build it (:attr:`Architecture.mismatches`),
+its transformers ``config.json`` from the run's ``GPTConfig`` (``build.model_config``) and back (as
+course argument values, refusing what the course cannot compute), and the two weight maps, each a
+function of whole (unsharded) state dicts. Sharding, files and tokenizers are the same for every
+family and live in ``course_checkpoint.py`` and ``hf_checkpoint.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +35,10 @@ class Architecture:
     """transformers' ``config.json`` ``model_type`` ("gpt2")."""
     hf_class: str
     """The ``architectures`` entry ``AutoModelForCausalLM`` builds ("GPT2LMHeadModel")."""
-    matches: Callable[[PretrainArgs], bool]
-    """Whether a run with these arguments builds this family."""
-    course_config: Callable[[PretrainArgs, int], GPTConfig]
-    """The ``GPTConfig`` of one whole model (tp = pp = 1) for the arguments and the padded V."""
+    embedding: str
+    """transformers' name of the token embedding E (V, H) in ``model.safetensors``."""
+    mismatches: Callable[[PretrainArgs], list[str]]
+    """What of a run's arguments this family is not (each naming the flag); empty: the run builds it."""
     hf_config: Callable[[GPTConfig, PretrainArgs], dict]
     """``config.json``'s fields (tokenizer ids left to ``hf_checkpoint``)."""
     course_args: Callable[[dict], dict]
@@ -48,3 +48,19 @@ class Architecture:
     """Course weights (global names, unsharded) -> transformers' names and layouts."""
     from_hf: Callable[[StateDict, GPTConfig], StateDict]
     """The inverse of :attr:`to_hf`."""
+    read_name: Callable[[str], str | None] = field(default=lambda name: name)
+    """A name in a ``model.safetensors`` -> the name :attr:`to_hf` gives it (older spellings), None
+    for a buffer that is no weight."""
+
+
+#: One flag a family needs: a ``PretrainArgs`` field -> (the value, or a test of it; the flag to give).
+Needs = dict[str, tuple[object, str]]
+
+
+def unmet(args: PretrainArgs, needs: Needs) -> list[str]:
+    """The ``needs`` the arguments do not meet: "<the flag to give> (the run has <field> <value>)"."""
+    return [
+        f"{flag} (the run has {name} {getattr(args, name)!r})"
+        for name, (want, flag) in needs.items()
+        if not (want(getattr(args, name)) if callable(want) else getattr(args, name) == want)
+    ]

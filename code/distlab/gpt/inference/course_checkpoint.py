@@ -9,7 +9,8 @@ Reading (:func:`inspect`, then :func:`read_model`)::
                 from the tp ranks' parts (``tensor_parallel.unshard``, the inverse of the
                 initialiser's ``shard``); pipeline stages hold disjoint global names (blocks by
                 their global index, every virtual chunk); the last stage's ``output_weight`` is
-                wte again (tied) and is dropped; cp ranks hold copies, dp rank 0 wrote them
+                wte again (tied) and is dropped, an untied ``output_layer`` kept; cp ranks hold
+                copies, dp rank 0 wrote them
     torch_dist  DCP's ``.metadata`` holds every tensor's global shape: ``dcp.load`` without a
                 process group assembles FSDP2's and DTensor TP's shards, and an ep run's experts
                 (each saved by its own rank), into whole tensors
@@ -20,7 +21,8 @@ embedding's rows (x tp for the torch format).
 
 Writing (:func:`write_release`): ``release/mp_rank_<tp>[_<pp>]/model_optim_rng.pt`` per rank of the
 target tp x pp, each the model's state dict for that rank (the parts ``shard`` cuts, the stage's
-blocks), the arguments and no optimizer, RNG or iteration; ``--load`` of it starts at iteration
+blocks; E on the first stage, the final norm and an untied ``output_layer`` on the last, and there
+a copy of E when tied and pp > 1), the arguments and no optimizer, RNG or iteration; ``--load`` of it starts at iteration
 0 with the run's own optimizer and seed (``checkpointing.load_checkpoint``).
 """
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.build import model_config
 from distlab.gpt.checkpointing import checkpointing, durable
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import families
@@ -115,7 +118,7 @@ def inspect(load: str) -> CourseCheckpoint:
         rows = first["model"]["wte.weight"].shape[0] * tp if "wte.weight" in first["model"] else 0
         stored = None
     arch = families.for_args(args)
-    config = arch.course_config(args, rows)
+    config = model_config(args, rows)
     ckpt = CourseCheckpoint(folder, fmt, args, arch, config, files)
     if stored is not None:
         _check_shapes(ckpt, stored)
@@ -192,7 +195,8 @@ def write_release(save: str, args: PretrainArgs, cfg: GPTConfig, full: StateDict
             sd = {}
             for name, w in full.items():
                 layer = int(name.split(".")[1]) if name.startswith("layers.") else None
-                first_only, last_only = name.startswith(("wte.", "wpe.")), name.startswith("ln_f.")
+                first_only = name.startswith(("wte.", "wpe."))
+                last_only = name.startswith(("ln_f.", "output_layer."))
                 if (
                     (layer is not None and layer not in blocks)
                     or (first_only and pp_rank > 0)
@@ -201,7 +205,7 @@ def write_release(save: str, args: PretrainArgs, cfg: GPTConfig, full: StateDict
                     continue
                 dim, stride = tags[name]
                 sd[name] = shard(w, dim, tp, tp_rank, stride).clone() if dim is not None else w.clone()
-            if pp > 1 and pp_rank == pp - 1:
+            if pp > 1 and pp_rank == pp - 1 and not cfg.untie_embeddings_and_output_weights:
                 sd["output_weight"] = shard(full["wte.weight"], 0, tp, tp_rank).clone()
             sub = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
             path = os.path.join(folder, sub, "model_optim_rng.pt")

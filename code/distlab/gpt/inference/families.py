@@ -1,6 +1,8 @@
 """The model families the converter and ``generate.py`` know, one small module each:
 
     gpt2.py     the course GPT (learned positions, LayerNorm, GeLU, tied output) <-> GPT2LMHeadModel
+    llama.py    the course's Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention) <-> LlamaForCausalLM
+    mixtral.py  the Llama with top-k routed SwiGLU experts (--num-experts) <-> MixtralForCausalLM
 
 A new family is a module that fills an :class:`~distlab.gpt.inference.architecture.Architecture`,
 and one entry in :data:`KNOWN`.
@@ -11,19 +13,21 @@ from __future__ import annotations
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.inference.architecture import Architecture, ConversionError
 from distlab.gpt.inference.gpt2 import GPT2
+from distlab.gpt.inference.llama import LLAMA
+from distlab.gpt.inference.mixtral import MIXTRAL
 
-KNOWN: tuple[Architecture, ...] = (GPT2,)
+KNOWN: tuple[Architecture, ...] = (GPT2, LLAMA, MIXTRAL)
 
 
 def for_args(args: PretrainArgs) -> Architecture:
-    """The family a course run built, or :class:`ConversionError`."""
+    """The family a course run built, or :class:`ConversionError` naming, per family (the closest
+    first), the flags the run would need."""
     for arch in KNOWN:
-        if arch.matches(args):
+        if not arch.mismatches(args):
             return arch
-    raise ConversionError(
-        f"no converter knows this course model (--num-experts {args.num_experts}): the converter "
-        f"knows {[a.name for a in KNOWN]}"
-    )
+    closest = sorted(KNOWN, key=lambda arch: len(arch.mismatches(args)))
+    needs = "; ".join(f"{arch.name} needs {', '.join(arch.mismatches(args))}" for arch in closest)
+    raise ConversionError(f"no converter knows this course model: {needs}")
 
 
 def for_hf(config: dict, where: str) -> Architecture:

@@ -27,8 +27,8 @@ biases on every linear layer and LayerNorm. With H hidden, n heads of d = H / n,
 
 The course's column-parallel qkv keeps each head's q, k and v next to each other so that a
 contiguous slice of rows is whole heads on a tp rank (``transformer/model.py``); GPT-2 splits
-c_attn's output into three H-wide blocks. Configuration: ``layer_norm_epsilon`` is the course's
-1e-5 (Megatron's ``--norm-epsilon`` default; the course has no flag for it); ``activation_function``
+c_attn's output into three H-wide blocks. Configuration: ``layer_norm_epsilon`` is the run's
+``--norm-epsilon`` (Megatron's default 1e-5, GPT-2's too); ``activation_function``
 is ``"gelu"``, the exact erf GeLU of ``F.gelu`` (GPT-2's own ``"gelu_new"`` is the tanh
 approximation: refused on the way in, since the course would compute another function);
 ``vocab_size`` is the padded V, all rows kept (the padded ids are never produced: see
@@ -41,14 +41,12 @@ from __future__ import annotations
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.inference.architecture import Architecture, ConversionError, StateDict
+from distlab.gpt.inference.architecture import Architecture, ConversionError, Needs, StateDict, unmet
 from distlab.gpt.transformer.model import GPTConfig
 
-LAYERNORM_EPSILON = 1e-5  # GPTConfig's, which no flag changes
 #: GPT-2 options whose other values compute something the course GPT does not.
 MUST_BE = {
     "activation_function": "gelu",
-    "layer_norm_epsilon": LAYERNORM_EPSILON,
     "scale_attn_weights": True,
     "scale_attn_by_inverse_layer_idx": False,
     "add_cross_attention": False,
@@ -66,20 +64,25 @@ BLOCK = {
 TOP = ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")  # transformer.<the same name>
 
 
-def matches(args: PretrainArgs) -> bool:
-    return args.num_experts is None
+#: The flags of the course GPT (the defaults): a run without them is another family.
+NEEDS: Needs = {
+    "num_experts": (None, "no --num-experts"),
+    "normalization": ("LayerNorm", "--normalization LayerNorm"),
+    "position_embedding_type": ("learned_absolute", "--position-embedding-type learned_absolute"),
+    "swiglu": (False, "no --swiglu"),
+    "add_bias_linear": (True, "no --disable-bias-linear"),
+    "untie_embeddings_and_output_weights": (False, "no --untie-embeddings-and-output-weights"),
+    "group_query_attention": (False, "no --group-query-attention"),
+    "layernorm_zero_centered_gamma": (False, "no --apply-layernorm-1p"),
+}
 
 
-def course_config(args: PretrainArgs, vocab_size: int) -> GPTConfig:
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size,
-        max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size,
-        seed=args.seed,
+def mismatches(args: PretrainArgs) -> list[str]:
+    heads = args.hidden_size // args.num_attention_heads
+    wrong = (
+        [] if args.kv_channels in (None, heads) else [f"no --kv-channels (the run has {args.kv_channels})"]
     )
+    return unmet(args, NEEDS) + wrong
 
 
 def hf_config(cfg: GPTConfig, args: PretrainArgs) -> dict:
@@ -92,6 +95,7 @@ def hf_config(cfg: GPTConfig, args: PretrainArgs) -> dict:
         "n_layer": cfg.num_layers,
         "n_head": cfg.num_attention_heads,
         "n_inner": cfg.ffn,
+        "layer_norm_epsilon": cfg.layernorm_epsilon,
         "resid_pdrop": args.hidden_dropout,
         "embd_pdrop": args.hidden_dropout,
         "attn_pdrop": args.attention_dropout,
@@ -105,7 +109,7 @@ def course_args(config: dict) -> dict:
     if wrong:
         raise ConversionError(
             f"this GPT-2 has {wrong}: the course GPT computes { ({k: MUST_BE[k] for k in wrong}) } "
-            f"(exact GeLU, LayerNorm epsilon 1e-5, 1/sqrt(d) attention, tied output, no "
+            f"(exact GeLU, 1/sqrt(d) attention, tied output, no "
             f"cross-attention), so its outputs would differ from transformers'"
         )
     hidden = config.get("n_embd", 768)
@@ -115,6 +119,7 @@ def course_args(config: dict) -> dict:
         "num_attention_heads": config.get("n_head", 12),
         "ffn_hidden_size": None if config.get("n_inner") in (None, 4 * hidden) else config["n_inner"],
         "max_position_embeddings": config.get("n_positions", 1024),
+        "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
         "hidden_dropout": config.get("resid_pdrop", 0.1),
         "attention_dropout": config.get("attn_pdrop", 0.1),
         "init_method_std": config.get("initializer_range", 0.02),
@@ -160,14 +165,23 @@ def from_hf(sd: StateDict, cfg: GPTConfig) -> StateDict:
     return out
 
 
+def read_name(name: str) -> str | None:
+    """Older GPT-2 files (OpenAI's, converted) name the blocks without the ``transformer.`` prefix;
+    older transformers wrote the buffers ``attn.bias`` (the causal mask) and ``attn.masked_bias``."""
+    if name.endswith((".attn.bias", ".attn.masked_bias")):
+        return None
+    return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
+
+
 GPT2 = Architecture(
     name="GPT (GPT-2 architecture)",
     model_type="gpt2",
     hf_class="GPT2LMHeadModel",
-    matches=matches,
-    course_config=course_config,
+    embedding="transformer.wte.weight",
+    mismatches=mismatches,
     hf_config=hf_config,
     course_args=course_args,
     to_hf=to_hf,
     from_hf=from_hf,
+    read_name=read_name,
 )

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from tokenizers import ByteLevelBPETokenizer
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.build import model_config
 from distlab.gpt.checkpointing.checkpointing import TRACKER
 from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
 from distlab.gpt.data.tokenizers import TokenizerSpec
@@ -145,18 +146,23 @@ def inspect(folder: str, tokenizer_files: tuple[str, str] | None = None) -> HFCh
     return hf
 
 
+def tied(hf: HFCheckpoint) -> bool:
+    """Whether the output layer is E (``tie_word_embeddings``, as the family reads it)."""
+    return not hf.course_args.get("untie_embeddings_and_output_weights", False)
+
+
 def _check_shapes(hf: HFCheckpoint) -> None:
-    """Every weight the configuration implies, of its shape, and nothing else (but what the
-    family ignores); tied output: ``lm_head.weight``, when written, is wte's shape."""
-    cfg = hf.arch.course_config(PretrainArgs(**hf.course_args), hf.config["vocab_size"])
+    """Every weight the configuration implies, of its shape, and nothing else (but the buffers the
+    family skips); tied output: ``lm_head.weight``, when written, is E's shape."""
+    cfg = model_config(PretrainArgs(**hf.course_args), hf.config["vocab_size"])
     expected = {k: tuple(v.shape) for k, v in hf.arch.to_hf(meta_state_dict(cfg), cfg).items()}
-    stored = {_strip(k): s for k, s in hf.shapes.items() if not _ignored(k)}
-    tied = stored.pop("lm_head.weight", None)
+    stored = {name: s for k, s in hf.shapes.items() if (name := hf.arch.read_name(k)) is not None}
+    copy = stored.pop("lm_head.weight", None) if tied(hf) else None
     wrong = [f"{k}: {stored.get(k, 'missing')} (weights) vs {s} (config)" for k, s in expected.items()
              if stored.get(k) != s]  # fmt: skip
     wrong += [f"{k}: not in the configuration" for k in stored.keys() - expected.keys()]
-    if tied is not None and tied != expected["transformer.wte.weight"]:
-        wrong.append(f"lm_head.weight: {tied} vs wte {expected['transformer.wte.weight']}")
+    if copy is not None and copy != expected[hf.arch.embedding]:
+        wrong.append(f"lm_head.weight: {copy} vs the embedding's {expected[hf.arch.embedding]} (tied)")
     if wrong:
         raise ConversionError(
             f"{hf.folder}: config.json does not match {WEIGHTS}: "
@@ -165,31 +171,24 @@ def _check_shapes(hf: HFCheckpoint) -> None:
         )
 
 
-def _strip(name: str) -> str:
-    """Older GPT-2 files (OpenAI's, converted) name the blocks without the ``transformer.`` prefix."""
-    return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
-
-
-def _ignored(name: str) -> bool:
-    """Buffers older transformers wrote: the causal mask ``attn.bias`` (1, 1, T, T), ``masked_bias``."""
-    return name.endswith((".attn.bias", ".attn.masked_bias"))
-
-
 def read_weights(hf: HFCheckpoint) -> StateDict:
-    """The weights in transformers' names (``lm_head.weight`` checked equal to wte, then dropped)."""
+    """The weights in the names ``to_hf`` gives (a tied ``lm_head.weight`` checked equal to E, then dropped)."""
     sd = {}
     with safe_open(os.path.join(hf.folder, WEIGHTS), framework="pt") as f:
         for k in f.keys():
-            if not _ignored(k):
-                sd[_strip(k)] = f.get_tensor(k).to(torch.float32)
-    tied = sd.pop("lm_head.weight", None)
-    if tied is not None and not torch.equal(tied, sd["transformer.wte.weight"]):
-        raise ConversionError(f"{hf.folder}: lm_head.weight differs from wte.weight, but the output is tied")
+            if (name := hf.arch.read_name(k)) is not None:
+                sd[name] = f.get_tensor(k).to(torch.float32)
+    copy = sd.pop("lm_head.weight", None) if tied(hf) else None
+    if copy is not None and not torch.equal(copy, sd[hf.arch.embedding]):
+        raise ConversionError(
+            f"{hf.folder}: lm_head.weight differs from the embedding, but the output is tied"
+        )
     return sd
 
 
 def fit_vocabulary(wte: torch.Tensor, rows: int) -> torch.Tensor:
-    """(V_hf, H) -> (rows, H): cut, or extended with copies of the last row (Megatron-LM's)."""
+    """E or the untied output layer (V_hf, H) -> (rows, H): cut, or extended with copies of the
+    last row (Megatron-LM's)."""
     if wte.shape[0] >= rows:
         return wte[:rows]
     return torch.cat([wte, wte[-1:].expand(rows - wte.shape[0], -1)])
