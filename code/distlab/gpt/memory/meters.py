@@ -46,18 +46,14 @@ import resource
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
+from distlab.gpt.optimizer.optimizer import is_dtensor
 from distlab.logs.formats import MEMORY, RANK_COORDS
-
-if TYPE_CHECKING:
-    pass
 
 MiB = 2**20
 GiB = 2**30
@@ -65,7 +61,7 @@ GiB = 2**30
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds: a DTensor's local shard (FSDP2; its ``numel()`` is the global size)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:

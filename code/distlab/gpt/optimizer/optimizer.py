@@ -22,16 +22,24 @@ table) have their own ``lr_max`` / ``lr_min`` in the same warm-up and decay.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from distlab.gpt.arguments import PretrainArgs
 
 #: The word embedding E and the output layer's weight (E's copy on the last stage): the
 #: parameters Megatron tags ``is_embedding_or_output_parameter``.
 EMBEDDING_OR_OUTPUT = ("wte.weight", "output_weight", "output_layer.weight")
+
+
+def is_dtensor(t: object) -> bool:
+    """``isinstance(t, DTensor)`` without importing ``torch.distributed.tensor`` (about 0.5 s, sympy
+    included, in every process) in the runs that never build one: a DTensor exists only once that
+    package is imported, by the native paths that make them."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def is_embedding_or_output(name: str, p: nn.Parameter) -> bool:
@@ -66,7 +74,7 @@ def make_optimizer(groups: dict[tuple[bool, bool], list], args: PretrainArgs) ->
         }
         for (no_decay, decoupled), params in sorted(groups.items())
     ]
-    kinds = {isinstance(p, DTensor) for g in param_groups for p in g["params"]}
+    kinds = {is_dtensor(p) for g in param_groups for p in g["params"]}
     fused = None if len(kinds) > 1 else True
     if args.optimizer in ("adam", "adamw"):
         return torch.optim.AdamW(
