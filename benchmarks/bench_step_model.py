@@ -21,17 +21,12 @@ machine are noisy::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import tempfile
 
-from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.memory.memory_estimate import MemorySetup, stage_parameters
-from distlab.gpt.planning.local_cluster import measure_local
+from distlab.gpt.planning.local_cluster import calibrate, measure_local, predict_run
 from distlab.gpt.planning.published import table
-from distlab.gpt.planning.step_model import StepPrediction, predict_step
-from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.tools.local_run import spawn_pretrain
 
 MODEL = (
@@ -64,14 +59,6 @@ def local_layouts() -> list[tuple[str, str]]:
     return out
 
 
-def predict_step_of(argv: list[str], hw) -> StepPrediction:
-    args = parse_args(argv)
-    layout = validate_args(args, 2)
-    vocab = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, layout.tp)
-    n = stage_parameters(MemorySetup.from_run(args, layout, vocab))
-    return predict_step(args, layout, hw, vocab, n)
-
-
 def measured_step(argv: list[str], world: int) -> float:
     """Median seconds of the iterations after the first of ``pretrain(argv)`` on ``world`` local ranks."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,16 +77,14 @@ def run_local(iters: int) -> None:
     name, flags = layouts[0]
     argv = f"{MODEL} {flags} --train-iters {iters}".split()
     measured = measured_step(argv, 2)
-    at_one = predict_step_of(argv, dataclasses.replace(hw, achieved_fraction=1.0))
-    fraction = at_one.compute / (measured - (at_one.step - at_one.compute))
-    hw = dataclasses.replace(hw, achieved_fraction=fraction)
-    print(f"> calibration, {name}: measured {1000 * measured:.1f} ms, so the step reaches {100 * fraction:.0f}% "
+    hw = calibrate(hw, argv, measured)
+    print(f"> calibration, {name}: measured {1000 * measured:.1f} ms, so the step reaches {100 * hw.achieved_fraction:.0f}% "
           "of the GEMM rate (used below)")  # fmt: skip
     print(f"{'layout':22s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}")
     errors = []
     for name, flags in layouts[1:]:
         argv = f"{MODEL} {flags} --train-iters {iters}".split()
-        predicted, measured = predict_step_of(argv, hw).step, measured_step(argv, 2)
+        predicted, measured = predict_run(argv, hw).step, measured_step(argv, 2)
         errors.append(abs(predicted - measured) / measured)
         print(f"{name:22s} {1000 * predicted:13.1f} {1000 * measured:12.1f} {100 * (predicted - measured) / measured:+6.1f}%",
               flush=True)  # fmt: skip

@@ -27,7 +27,7 @@ def test_each_notebook_gets_its_local_model_and_arguments_the_engine_reads():
 
 
 def test_an_unknown_notebook_is_refused_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"'08'.*\['04', '05', '06', '07'\]"):
+    with pytest.raises(ValueError, match=r"'08'.*\['04', '05', '06', '07', '13'\]"):
         course.gpt_notebook("08")
 
 

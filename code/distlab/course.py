@@ -1,4 +1,4 @@
-"""The shared setup of the GPT notebooks 04-07: the site, the model per site, the data once.
+"""The shared setup of the GPT notebooks 04-07 and 13: the site, the model per site, the data once.
 
 One call replaces each notebook's setup cell::
 
@@ -73,6 +73,10 @@ SIZES: dict[str, tuple[RunSize, RunSize]] = {
     "07": (  # GPT-2 small exactly (12 heads); the fixes run at micro batch 8 (GPU) or 16 (CPU)
         RunSize(ModelShape(12, 768, 12, 1024), iters=2, micro=8),
         RunSize(ModelShape(4, 128, 4, 128), iters=2, micro=16),
+    ),
+    "13": (  # the step-time model's local check: a few layouts of 2 ranks, timed against the model
+        RunSize(ModelShape(8, 1024, 16, 1024), iters=10, micro=2),
+        RunSize(ModelShape(4, 256, 8, 256), iters=5, micro=2),
     ),
 }
 
@@ -155,7 +159,7 @@ def prepare_data(python: str, code: Path, data: Path) -> bool:
 
 
 def gpt_notebook(notebook: str, *, prepare: bool = True) -> GPTNotebook:
-    """The settings of GPT notebook ``notebook`` ("04" to "07") on this site, its data prepared
+    """The settings of GPT notebook ``notebook`` ("04" to "07", "13") on this site, its data prepared
     if missing (``prepare=False``: notebook 04, whose learner runs the two commands in a cell)."""
     if notebook not in SIZES:
         raise ValueError(f"no GPT notebook {notebook!r}: choose one of {sorted(SIZES)}")

@@ -29,6 +29,8 @@ module needs only the standard library: the engine prints with it, the notebooks
     STRAGGLER_RANKS ^^^^ Bottom N Ranks with lowest  Etpt(TF): F/r, ...
     HANG_DUMPS     > hang: flight records for PyTorch's analyzer (torchfrtrace FOLDER) in DIR
     MOE             [moe] iteration i | layer l | load_balancing_loss: ... | dropped tokens: d | tokens per expert: c0 c1 ... |
+    DRY_RUN        > dry run: rank r of N (fake process group, model on the meta device)   (and DRY_RUN_*:
+                   its parameters, states, activations and collectives, ``planning/dry_run.py``)
 """
 
 from __future__ import annotations
@@ -204,3 +206,21 @@ STRAGGLER = LogLine(
 STRAGGLER_RANKS = LogLine("^^^^ {which} {n:d} Ranks with {how} Etpt(TF): {pairs}")
 #: After HANG's line and the report's: where the dumps are, and PyTorch's analyzer on them.
 HANG_DUMPS = LogLine("> hang: flight records for PyTorch's analyzer (torchfrtrace FOLDER) in {folder}")
+
+
+# --- dry runs (distlab.gpt.planning.dry_run, ``pretrain_gpt.py --dry-run-world-size N``) ---
+DRY_RUN = LogLine("> dry run: rank {rank:d} of {world_size:d} (fake process group, model on the meta device)")
+DRY_RUN_PARAMETERS = LogLine("> parameters on this rank: {parameters:,d} ({precision})")
+#: The model states and the predicted peak of the rank, GiB; ``how``: "without" or "with".
+DRY_RUN_STATES = LogLine(
+    ">   {params_gib:10.2f} {grads_gib:10.2f} {optim_gib:10.2f} {total_gib:7.2f} {peak_gib:8.2f}"
+    "   {how} distributed optimizer"
+)
+DRY_RUN_ACTIVATIONS = LogLine(
+    "> activations (estimator, {micro_batches:d} micro-batches): {activations_gib:.2f} GiB"
+)
+#: One kind of call of one step: ``count`` calls of ``op`` over ``group`` (``size`` ranks), GiB each
+#: (the whole buffer, nccl-tests' size) and in all.
+DRY_RUN_COLLECTIVE = LogLine(
+    ">   collective  {group} {size:4d}  {op} {gib_per_call:12.6f} {count:7d} {gib:12.4f}"
+)

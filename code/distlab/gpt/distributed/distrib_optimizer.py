@@ -1,12 +1,15 @@
 """Megatron's distributed optimizer (ZeRO-1, ``--use-distributed-optimizer``): fp32 main
-parameters and Adam's moments sharded over the dp x cp ranks.
+parameters and Adam's moments sharded over the dp x cp ranks (experts' over their
+expert-data-parallel group, ``dp x cp / ep`` ranks).
 
 Contract: the same update as the plain optimizer on the whole model, computed by each of the
-``d = dp x cp`` ranks on its shard of every bucket (``param_and_grad_buffer.py``); Adam is
+``d`` ranks holding a bucket on its shard of it (``param_and_grad_buffer.py``); Adam is
 element-wise, so shards change nothing but where each element is updated::
 
     finish_grad_sync    shard of main_grad = mean gradient         (reduce-scatter per bucket)
     norm                ||g||^2 = sum over dp x cp shards (then tp, pp) of the counted elements
+                        (an expert's elements: one shard in its edp group, its experts on one ep
+                        rank; the ep x edp ranks are the dp x cp group: each element counted once)
     step                AdamW on the fp32 main shard; param shard <- main shard (cast)
     start_param_sync    whole parameters again                     (all-gather per bucket)
 
@@ -15,7 +18,7 @@ Bytes per parameter per rank (Megatron-LM's table, ``docs/user-guide/features/di
     bf16 parameters    2 (param) + 4 (fp32 grad) + (4 main + 4 + 4 moments) / d  =  6 + 12 / d
     fp32 parameters    4 (param) + 4 (fp32 grad) + (4 + 4 moments) / d          =  8 +  8 / d
 
-against 18 and 16 without (d = 1). With ``--grad-reduce-in-bf16`` the gradient buffer is bf16 and
+against 18 and 16 without (d = 1); for the experts d is the edp group's size. With ``--grad-reduce-in-bf16`` the gradient buffer is bf16 and
 the fp32 main gradients are sharded too: ``2 + 2 + 16 / d`` (the table's fp16 row). With fp32
 parameters the main parameter is the parameter's own shard (a view); with bf16 the model's weights
 are bf16 and the fp32 main copy lives here only. Padding (under d elements per bucket) is in the
@@ -116,6 +119,7 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        self.buffer.finish_param_sync()  # none left in flight (a bucket no forward used) to overwrite the shards
         self.optimizer.step()
         for bucket, main in zip(self.buffer.buckets, self.main, strict=True):
             if main.data_ptr() != bucket.param_shard().data_ptr():
@@ -144,7 +148,8 @@ class DistributedOptimizer:
                 moments = {k: tensors[k][at : at + piece.numel()].clone() for k in self.moment_keys}
                 self.optimizer.state[piece] = {"step": step.clone(), **moments}
         bucket.param_shard().copy_(self.main[i])
-        self.buffer.pending.add(i)
+        if bucket.d > 1:
+            self.buffer.pending.add(i)
         self.buffer.finish_param_sync()
 
     @torch.no_grad()
@@ -156,27 +161,48 @@ class DistributedOptimizer:
                 main.copy_(bucket.param_shard())
 
     def state_dict(self) -> dict | None:
-        """``--ckpt-format torch``: every bucket's tensors gathered whole (unpadded) on dp x cp
-        rank 0, which writes the file (None on the others); collective over dp x cp."""
+        """``--ckpt-format torch``: every bucket's tensors gathered whole (unpadded) on rank 0 of its
+        group, which writes the file (None elsewhere); collective over dp x cp. ep > 1: the writers,
+        edp ranks 0 (the dp x cp group's first ep ranks, a file per ep rank), gather their experts'
+        buckets; dense rank 0 broadcasts them the dense ones: each file holds them, as the weights."""
         self.buffer.finish_param_sync()
-        group, d = self.buffer.group, self.buffer.d
-        buckets = []
-        for i, bucket in enumerate(self.buffer.buckets):
-            whole = {}
-            for key, shard in self.bucket_tensors(i).items():
-                parts = [torch.empty_like(shard) for _ in range(d)] if bucket.start == 0 else None
-                if d > 1:
-                    dist.gather(shard.contiguous(), parts, group=group, group_dst=0)
-                else:
-                    parts = [shard]
-                whole[key] = torch.cat(parts)[: bucket.numel].cpu() if parts else None
-            buckets.append({"numel": bucket.numel, **whole})
-        if self.buffer.buckets and self.buffer.buckets[0].start != 0:
+        buckets = [self._gathered(i) for i in range(len(self.buffer.buckets))]
+        if self.parallel.ep > 1:
+            self._share_dense(buckets)
+        if None in buckets:
             return None
+        buckets = [{k: v if k == "numel" else v.cpu() for k, v in b.items()} for b in buckets]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         return {
             "distributed_optimizer": {"buckets": buckets, "step": self.step_count(), "param_groups": groups}
         }
+
+    def _gathered(self, i: int) -> dict | None:
+        """Bucket ``i``'s tensors whole (unpadded) on rank 0 of its group, None elsewhere."""
+        bucket, whole = self.buffer.buckets[i], {"numel": self.buffer.buckets[i].numel}
+        for key, shard in self.bucket_tensors(i).items():
+            parts = [torch.empty_like(shard) for _ in range(bucket.d)] if bucket.start == 0 else None
+            if bucket.d > 1:
+                dist.gather(shard.contiguous(), parts, group=bucket.group, group_dst=0)
+            else:
+                parts = [shard]
+            whole[key] = torch.cat(parts)[: bucket.numel] if parts else None
+        return whole if bucket.start == 0 else None
+
+    def _share_dense(self, buckets: list[dict | None]) -> None:
+        """ep > 1: the dense buckets' whole tensors from dp x cp rank 0 to the other writers."""
+        if dist.get_rank(self.buffer.group) >= self.parallel.ep:
+            return  # not in the first ep group of the dp x cp group: writes nothing
+        keys = ("param", *self.moment_keys)
+        for i, bucket in enumerate(self.buffer.buckets[: self.buffer.num_dense]):
+            if buckets[i] is None:  # (n,) fp32 each, filled by the broadcast
+                device = bucket.param_data.device
+                buckets[i] = {
+                    "numel": bucket.numel,
+                    **{k: torch.empty(bucket.numel, device=device) for k in keys},
+                }
+            for key in keys:
+                dist.broadcast(buckets[i][key], group=self.parallel.ep_group, group_src=0)
 
     def load_state_dict(self, saved: dict) -> None:
         """Inverse of :meth:`state_dict` for any dp x cp: each rank keeps its shard of the file's."""
@@ -252,14 +278,23 @@ def bytes_per_parameter(dtype: torch.dtype, d: int, grad_dtype: torch.dtype = to
 
 
 def distributed_optimizer_line(optimizer: DistributedOptimizer, dtype: torch.dtype) -> str:
-    """The start-up line: buckets, shards, and the bytes per parameter per rank."""
+    """The start-up line: buckets, shards, and the bytes per parameter per rank (ep > 1: the
+    experts' too, over their expert-data-parallel group)."""
     buffer, d = optimizer.buffer, optimizer.buffer.d
     kind = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     grad = buffer.buckets[0].grad_data.dtype if buffer.buckets else torch.float32
     formula = "8 + 8/d" if dtype == torch.float32 else "6 + 12/d" if grad == torch.float32 else "4 + 16/d"
+    experts = buffer.buckets[buffer.num_dense :]
+    edp = experts[0].d if experts else 0
+    expert_part = (
+        f"; expert parameters over their expert-data-parallel group of d = {edp} rank(s) in "
+        f"{len(experts)} bucket(s): {bytes_per_parameter(dtype, edp, grad):g} bytes per parameter per rank"
+        if experts
+        else ""
+    )
     return (
         f"> distributed optimizer: {kind[dtype]} parameters, {kind[grad]} gradient buffer, fp32 main "
-        f"parameters and moments sharded over dp x cp = {d} ranks in {len(buffer.buckets)} bucket(s); "
-        f"{formula} = {bytes_per_parameter(dtype, d, grad):g} bytes per parameter per rank "
+        f"parameters and moments sharded over dp x cp = {d} ranks in {buffer.num_dense} bucket(s); "
+        f"{formula} = {bytes_per_parameter(dtype, d, grad):g} bytes per parameter per rank{expert_part} "
         f"(overlap grad reduce {buffer.overlap_grad_reduce}, overlap param gather {buffer.overlap_param_gather})"
     )

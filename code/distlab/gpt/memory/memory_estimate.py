@@ -143,6 +143,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distlab.gpt.memory import parameters as rank_parameters
 from distlab.gpt.memory.parameters import block_parameters, layer_parameters, stage_parameters, vocab_split
 from distlab.gpt.memory.setup import HALF as _HALF
 from distlab.gpt.memory.setup import MemorySetup
@@ -432,14 +433,13 @@ def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
         bf16                      2 + 4 + (4 main + 8) / d      =  6 + 12 / d
         bf16, bf16 gradients      2 + 2 + (4 + 4 + 8) / d       =  4 + 16 / d
 
-    (the padding of each bucket to a multiple of d, under d elements, is left out). The weights
-    are bf16 already: autocast makes no half copies. Activations are counted as under autocast
-    over fp32 weights (the residual stream in fp32), an upper bound for bf16 weights."""
-    d, half = c.dp * c.cp, c.precision in _HALF
-    g_bytes = 2 if c.grad_reduce_in_bf16 else 4
+    (bucket padding, under d elements each, left out; the experts' d is dp x cp / ep). Weights bf16
+    already: no autocast copies; activations as under autocast over fp32 weights (an upper bound)."""
+    d, half, g_bytes = c.dp * c.cp, c.precision in _HALF, 2 if c.grad_reduce_in_bf16 else 4
     k = 8 + (4 if half else 0) + (4 if g_bytes == 2 else 0)
+    sharded = (n + (c.ep - 1) * rank_parameters.expert_parameters(c)) * k / d  # experts: ep x fewer ranks
     return MemoryEstimate(
-        n * (2 if half else 4), n * g_bytes, n * k / d, 0.0, activation_bytes(c), _with_gradients(c, g_bytes)
+        n * (2 if half else 4), n * g_bytes, sharded, 0.0, activation_bytes(c), _with_gradients(c, g_bytes)
     )
 
 

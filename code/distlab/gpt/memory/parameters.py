@@ -53,6 +53,12 @@ def block_parameters(c: MemorySetup) -> int:
     return layer
 
 
+def expert_parameters(c: MemorySetup) -> int:
+    """The experts' parameters on the first stage's rank, (L / pp) (E / ep) MLPs split over tp (0
+    without MoE): with ep > 1 the distributed optimizer shards them over dp x cp / ep ranks only."""
+    return (c.num_layers // c.pp) * (c.num_experts // c.ep) * _mlp_parameters(c) if c.num_experts else 0
+
+
 def stage_parameters(c: MemorySetup) -> int:
     """Parameters on the first pipeline stage's rank (it holds the embeddings): matrices / tp."""
     h = c.hidden_size

@@ -31,6 +31,10 @@ from distlab.gpt.tensor_parallel.layers import mark_sequence_parallel
 class ExpertMLP(nn.Module):
     """One expert's shard: fc1 (g F / etp, H), fc2 (H, F / etp), g = 2 when gated, else 1."""
 
+    #: Its forward reads fc1's and fc2's parameters itself (F.linear), never calling theirs: the
+    #: distributed optimizer's --overlap-param-gather waits for their buckets in this module's hook.
+    reads_parameters_of = ("fc1", "fc2")
+
     def __init__(
         self,
         hidden: int,

@@ -55,6 +55,13 @@ from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.planning.collectives import Collective, record_collectives, summarize
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.training.training import LocalBackend, forward_backward
+from distlab.logs.formats import (
+    DRY_RUN,
+    DRY_RUN_ACTIVATIONS,
+    DRY_RUN_COLLECTIVE,
+    DRY_RUN_PARAMETERS,
+    DRY_RUN_STATES,
+)
 
 GiB = 2**30
 #: Bytes per parameter (parameters, gradients, optimizer) by precision, without and with the
@@ -112,28 +119,30 @@ class DryRun:
         return megatron_peak(self.setup, self.parameters, self.precision, distributed)
 
     def report(self) -> list[str]:
-        """The lines ``pretrain_gpt.py --dry-run-world-size`` prints, memory in GiB."""
+        """The lines ``pretrain_gpt.py --dry-run-world-size`` prints, memory in GiB
+        (``distlab.logs.formats.DRY_RUN*``, which the notebooks' readers parse back)."""
         c, lay = self.coordinates, self.layout
         lines = [
-            f"> dry run: rank {self.rank} of {lay.world_size} (fake process group, model on the meta device)",
+            DRY_RUN.format(rank=self.rank, world_size=lay.world_size),
             "> coordinates: " + ", ".join(f"{k} {v}" for k, v in c.items())
             + f" (of dp {lay.dp}, tp {lay.tp}, pp {lay.pp}, cp {lay.cp}, ep {lay.ep})",
-            f"> parameters on this rank: {self.parameters:,} ({self.precision})",
+            DRY_RUN_PARAMETERS.format(parameters=self.parameters, precision=self.precision),
             f"> model states, bytes per parameter from Megatron-LM's distributed-optimizer table ({self.precision}, "
             f"d = dp x cp = {lay.dp * lay.cp}): {self.per_parameter(False):g} without, {self.per_parameter(True):.4g} with",
-            "> model states (GiB)            parameters  gradients  optimizer  total   peak (+ activations)",
+            ">   parameters  gradients  optimizer   total     peak   model states and predicted peak (+ activations), GiB",
         ]  # fmt: skip
-        for distributed, name in (
-            (False, "without distributed optimizer"),
-            (True, "with distributed optimizer"),
-        ):
+        for distributed in (False, True):
             p, g, o = self.states(distributed)
+            gib = dict(params_gib=p / GiB, grads_gib=g / GiB, optim_gib=o / GiB, total_gib=(p + g + o) / GiB)
             lines.append(
-                f">   {name:29s} {p / GiB:10.2f} {g / GiB:10.2f} {o / GiB:10.2f} "
-                f"{(p + g + o) / GiB:7.2f} {self.peak(distributed) / GiB:8.2f}"
+                DRY_RUN_STATES.format(
+                    **gib, peak_gib=self.peak(distributed) / GiB, how="with" if distributed else "without"
+                )
             )
         lines.append(
-            f"> activations (estimator, {self.num_micro_batches} micro-batches): {self.activations / GiB:.2f} GiB"
+            DRY_RUN_ACTIVATIONS.format(
+                micro_batches=self.num_micro_batches, activations_gib=self.activations / GiB
+            )
         )
         if self.collectives is None:
             lines.append(
@@ -141,12 +150,18 @@ class DryRun:
             )
             return lines
         lines.append(
-            "> collectives of one step    group  size  operation        GiB per call   count   GiB in all"
+            ">   collective  group      size  operation       GiB per call   count   GiB in all   (one step)"
         )
         for call, count in summarize(self.collectives):
             lines.append(
-                f">                            {call.group:9s} {call.size:4d}  {call.op:15s} {call.nbytes / GiB:12.6f} "
-                f"{count:7d} {call.nbytes * count / GiB:12.4f}"
+                DRY_RUN_COLLECTIVE.format(
+                    group=f"{call.group:9s}",
+                    size=call.size,
+                    op=f"{call.op:15s}",
+                    gib_per_call=call.nbytes / GiB,
+                    count=count,
+                    gib=call.nbytes * count / GiB,
+                )  # fmt: skip
             )
         return lines
 

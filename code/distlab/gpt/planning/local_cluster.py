@@ -7,10 +7,16 @@ does both at a smaller scale: the GEMM rate of one rank's threads, and an all-re
 ``ranks`` spawned gloo ranks at a small size (its time is the latency, alpha) and a large one
 (bus bandwidth = 2 (n - 1) / n x bytes / (time - alpha)). Both nodes of the course's cluster are
 this machine (loopback), so one link serves inside and between "nodes".
+
+A CPU step of a small model stays far below the GEMM rate (small matrices, attention, the Python
+around them): :func:`calibrate` takes the fraction of that rate a step reaches from one measured
+layout (its step minus the predicted communication), and the other layouts are predicted with it
+(``benchmarks/bench_step_model.py --local``, notebook 13).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -20,7 +26,11 @@ import torch
 
 from distlab.comm.bench import BUS_FACTOR, make_op, time_op
 from distlab.distributed import free_port, spawn_ranks
+from distlab.gpt.arguments import parse_args, validate_args
+from distlab.gpt.memory.memory_estimate import MemorySetup, stage_parameters
 from distlab.gpt.planning.hardware import Hardware, Link
+from distlab.gpt.planning.step_model import StepPrediction, predict_step
+from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.training.flops import measure_gemm_tflops
 
 SMALL, LARGE = 1024, 8 * 2**20  # bytes of the all-reduces that give alpha and the bandwidth
@@ -70,3 +80,26 @@ def measure_local(ranks_per_node: int = 2, threads_per_rank: int = 1, memory_gib
         flash_attention=False,
         source="measured by planning/local_cluster.measure_local",
     )
+
+
+def predict_run(argv: list[str], hw: Hardware, world: int = 2) -> StepPrediction:
+    """The step of ``pretrain_gpt.py argv`` on ``world`` ranks of ``hw`` (the largest stage's
+    parameters from the estimator's count; plain DDP or the distributed optimizer as argv says)."""
+    args = parse_args(argv)
+    layout = validate_args(args, world)
+    vocab = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, layout.tp)
+    n = stage_parameters(MemorySetup.from_run(args, layout, vocab))
+    return predict_step(args, layout, hw, vocab, n, distributed_optimizer=args.use_distributed_optimizer)
+
+
+def calibrate(hw: Hardware, argv: list[str], measured_s: float, world: int = 2) -> Hardware:
+    """``hw`` with the achieved fraction that makes the compute of ``argv``'s step equal its measured
+    time minus its predicted communication: fraction = compute at 1 / (measured - communication)."""
+    at_one = predict_run(argv, dataclasses.replace(hw, achieved_fraction=1.0), world)
+    communication = at_one.step - at_one.compute
+    if measured_s <= communication:
+        raise ValueError(
+            f"a step of {1000 * measured_s:.1f} ms leaves no time for compute after the predicted "
+            f"{1000 * communication:.1f} ms of communication: calibrate on a layout that computes more"
+        )
+    return dataclasses.replace(hw, achieved_fraction=at_one.compute / (measured_s - communication))

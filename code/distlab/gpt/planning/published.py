@@ -66,13 +66,14 @@ class PublishedRun:
         return predict_step(args, layout, load(self.hardware), args.vocab_size, per_rank,
                             distributed_optimizer=self.distributed_optimizer)  # fmt: skip
 
-    def predicted(self) -> float:
-        p = self.predict()
+    def predicted(self, prediction: StepPrediction | None = None) -> float:
+        """The published metric of ``prediction`` (default: :meth:`predict`)."""
+        p = prediction or self.predict()
         return p.tokens_per_s_per_device if self.metric == "tokens/s/GPU" else p.mfu_causal
 
-    def error(self) -> float:
+    def error(self, prediction: StepPrediction | None = None) -> float:
         """(predicted - published) / published."""
-        return (self.predicted() - self.published) / self.published
+        return (self.predicted(prediction) - self.published) / self.published
 
 
 RUNS = (
@@ -94,17 +95,18 @@ RUNS = (
 )  # fmt: skip
 
 
-def table() -> list[str]:
-    """One line per published run: published, predicted, error, and where the predicted step goes."""
+def table(predictions: list[StepPrediction] | None = None) -> list[str]:
+    """One line per published run: published, predicted, error, and where the predicted step goes
+    (``predictions``: those of :data:`RUNS`, in order, when already made)."""
+    predictions = predictions or [run.predict() for run in RUNS]
     lines = [
         f"{'run':52s} {'metric':>13s} {'published':>10s} {'predicted':>10s} {'error':>7s}  step, bubble, exposed"
     ]
-    for run in RUNS:
-        p = run.predict()
+    for run, p in zip(RUNS, predictions, strict=True):
         exposed = ", ".join(f"{k} {v:.2f}" for k, v in p.exposed.items() if v > 0) or "none"
         fmt = "{:10.0f}" if run.metric == "tokens/s/GPU" else "{:10.3f}"
         lines.append(
-            f"{run.name:52s} {run.metric:>13s} {fmt.format(run.published)} {fmt.format(run.predicted())} "
-            f"{100 * run.error():+6.1f}%  {p.step:.2f} s, {100 * p.bubble_fraction:.0f}%, {exposed} s"
+            f"{run.name:52s} {run.metric:>13s} {fmt.format(run.published)} {fmt.format(run.predicted(p))} "
+            f"{100 * run.error(p):+6.1f}%  {p.step:.2f} s, {100 * p.bubble_fraction:.0f}%, {exposed} s"
         )
     return lines

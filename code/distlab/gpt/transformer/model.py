@@ -146,6 +146,10 @@ def _norm(cfg: GPTConfig) -> Norm:
 class GPTModel(nn.Module):
     """The part of the GPT that lives on this rank's pipeline stage (all of it when pp = 1)."""
 
+    #: Its forward reads the untied output layer's weight itself (``parallel_lm_logits``): the
+    #: distributed optimizer's --overlap-param-gather waits for its bucket in this module's hook.
+    reads_parameters_of = ("output_layer",)
+
     def __init__(self, cfg: GPTConfig, state: ParallelState | None = None) -> None:
         super().__init__()
         self.cfg, self.state = cfg, state
