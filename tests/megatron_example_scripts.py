@@ -179,8 +179,8 @@ MIXTRAL_8X7B = {
     ],
     "MODEL_PARALLEL_ARGS": [
         "--tensor-model-parallel-size", "1",
-        "--pipeline-model-parallel-size", "1",  # was 4 (--overlap-grad-reduce is refused here with pp > 1)
-        "--expert-model-parallel-size", "2",  # was 8 (ep divides dp = 4)
+        "--pipeline-model-parallel-size", "2",  # was 4 (pp 4 x dp 2 would need 8 ranks)
+        "--expert-model-parallel-size", "2",  # was 8 (ep divides dp = 2)
         "--use-distributed-optimizer",
         "--sequence-parallel",
     ],

@@ -133,24 +133,26 @@ def test_llama_real_data_branch_is_accepted_without_its_refused_flags(paths):
 
 
 def test_mixtral_script_is_accepted_whole(paths):
-    """Every flag of the Mixtral script passes validation: ep 2 over dp 4 with the distributed
-    optimizer (the experts' shards over their expert-data-parallel group of 2) and both overlaps."""
+    """Every flag of the Mixtral script passes validation: pp 2 x dp 2 with ep 2 over dp, the
+    distributed optimizer and both overlaps (each stage's buckets start in its last backward)."""
     layout = validate_args(
         parse_args(script_argv("mixtral", paths["mixtral"])), SCRIPTS["mixtral"]["world_size"]
     )
-    assert (layout.dp, layout.ep, layout.pp) == (4, 2, 1)
+    assert (layout.dp, layout.ep, layout.pp) == (2, 2, 2)
 
 
 def test_mixtral_script_trains_and_equals_one_process(paths, tmp_path):
     """The Mixtral script on 4 ranks, as written (bf16), trains; in fp32 (less --bf16) it gives one
     process's losses and gradient norms within 1e-5 (the same flags, less --expert-model-parallel-size,
-    which must divide dp = 1). One spawn runs the three; each run its own --save/--load folder."""
+    which must divide dp = 1, and --pipeline-model-parallel-size). One spawn runs the three; each run
+    its own --save/--load folder."""
     world = SCRIPTS["mixtral"]["world_size"]
     plan = []
     for name, n in (("bf16", world), ("fp32", world), ("fp32-one", 1)):
         words = argv("mixtral", **{**paths["mixtral"], "tmp": str(tmp_path / name)})
         words = without(words, {"--bf16": 0} if name.startswith("fp32") else {})
-        words = without(words, {"--expert-model-parallel-size": 1} if n == 1 else {})
+        one = {"--expert-model-parallel-size": 1, "--pipeline-model-parallel-size": 1}
+        words = without(words, one if n == 1 else {})
         plan.append((name, n, words, free_port()))
     spawn_ranks(train_plan, (plan, str(tmp_path)), world)
     runs = {name: json.loads((tmp_path / f"{name}.rank{n - 1}.json").read_text()) for name, n, _, _ in plan}
@@ -164,11 +166,12 @@ def test_mixtral_script_trains_and_equals_one_process(paths, tmp_path):
     torch.testing.assert_close(torch.tensor(runs["bf16"]["losses"]), torch.tensor(runs["fp32"]["losses"]),
                                rtol=1e-2, atol=0)  # fmt: skip
     log = (tmp_path / "bf16.rank0.log").read_text()
-    for said in ("alltoall token dispatcher", "expert parameters over their expert-data-parallel group of d = 2",
-                 "6 + 12/d = 9 bytes per parameter per rank", "successfully saved checkpoint at iteration"):  # fmt: skip
+    for said in ("alltoall token dispatcher", "expert parameters over their expert-data-parallel group of d = 1",
+                 "6 + 12/d = 12 bytes per parameter per rank", "successfully saved checkpoint at iteration"):  # fmt: skip
         assert said in log, said
+    # one file per (tp, pp, ep) rank: mp_rank_TT_PPP_EEE
     assert sorted(p.name for p in (tmp_path / "bf16" / "ckpt" / "iter_0000003").iterdir()) == [
-        "mp_rank_00_000", "mp_rank_00_001"]  # fmt: skip
+        "mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"]  # fmt: skip
 
 
 def test_mixtral_data_is_the_llama2_tokenizers(paths):

@@ -109,9 +109,8 @@ def test_default_bucket_size_is_megatrons() -> None:
 def test_bad_flags_are_refused_before_compute(files) -> None:  # noqa: F811 - the fixture
     with pytest.raises(ValueError, match=r"--ddp-bucket-size -5: a bucket holds a positive number"):
         validate_args(parse_args([*BASE, *files, "--ddp-bucket-size", "-5"]), 4)
-    pp2 = ["--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"]
-    with pytest.raises(ValueError, match=r"--overlap-grad-reduce with --pipeline-model-parallel-size 2"):
-        validate_args(parse_args([*BASE, *files, *pp2]), 4)
+    pp2 = ["--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"]  # each stage's last backward
+    assert validate_args(parse_args([*BASE, *files, *pp2]), 4).pp == 2  # (tests/test_gpt_pp_overlap.py)
     with pytest.raises(ValueError, match=r"--overlap-grad-reduce with --use-torch-fsdp2"):
         validate_args(parse_args([*BASE, *files, "--overlap-grad-reduce", "--use-torch-fsdp2"]), 4)
     args = parse_args([*BASE, *files, "--overlap-grad-reduce", "--ddp-bucket-size", "1000"])

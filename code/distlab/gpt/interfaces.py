@@ -3,7 +3,8 @@
 One step (``training.train_step``) is the same loop for every back end::
 
     backend.zero_grad()
-    for k in range(m):  loss_k = model(micro-batch k);  backend.backward(loss_k, k, m)
+    for k in range(m):  loss_k = model(micro-batch k);  backend.set_grad_sync(k == m - 1)
+                        backend.backward(loss_k, k, m)
     loss = mean over micro-batches and data-parallel ranks
     backend.step()      # gradients reduced, unscaled, clipped; the optimizer steps (or skips)
 
@@ -25,11 +26,21 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]  # tokens (b, T), labels (b, T)
 AutocastFn = Callable[[], contextlib.AbstractContextManager]
 #: backward(loss_k, k, m): back-propagate micro-batch k's mean loss as its 1/m share of the step.
 BackwardFn = Callable[[torch.Tensor, int, int], None]
+#: grad_sync(enabled), called by every schedule before each backward of a model chunk: True for
+#: the backward of its last micro-batch (Megatron's ``enable_grad_sync``), when the data-parallel
+#: reduction may start as the gradients become ready; False for the others, which only accumulate
+#: (``disable_grad_sync``, the ``no_sync_func`` of Megatron's schedules). Pipeline stages other than
+#: the last back-propagate a received gradient, not a loss: this, not ``BackwardFn``, tells them.
+GradSyncFn = Callable[[bool], None]
 
 
 def mean_backward(loss: torch.Tensor, k: int, m: int) -> None:
     """The plain hook: ``d(loss_k / m)`` accumulated in ``.grad``."""
     (loss * (1.0 / m)).backward()
+
+
+def no_grad_sync(enabled: bool) -> None:
+    """The plain schedule's ``GradSyncFn``: nothing reduces during backward."""
 
 
 #: A step's scalar where it was computed: a 0-d device tensor (read on the host only once per
@@ -65,6 +76,8 @@ class StepBackend(Protocol):
     module: torch.nn.Module  # what the forward is called on
 
     def zero_grad(self) -> None: ...
+
+    def set_grad_sync(self, enabled: bool) -> None: ...  # a GradSyncFn
 
     def backward(self, loss: torch.Tensor, k: int, m: int) -> None: ...
 

@@ -150,8 +150,9 @@ class DistributedArgs:
     )
     overlap_grad_reduce: bool = _f(
         False,
-        "start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as "
-        "its last gradient is accumulated; the step waits for all before the optimizer (pp 1 only here)",
+        "start each bucket's data-parallel all-reduce during the last micro-batch's backward (of each "
+        "pipeline stage and model chunk), as soon as its last gradient is accumulated; the step waits "
+        "for all before the optimizer",
     )
     use_distributed_optimizer: bool = _f(
         False,

@@ -85,7 +85,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_moe_errors(args, layout),
         *_context_parallel_errors(args, layout),
         *_interleaving_errors(args, layout),
-        *_grad_reduce_errors(args, layout),
+        *_grad_reduce_errors(args),
         *distributed_optimizer_errors(args, layout),
     ]
     if errors:
@@ -356,10 +356,10 @@ def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     return []
 
 
-def _grad_reduce_errors(args: PretrainArgs, layout: Layout) -> list[str]:
-    """--ddp-bucket-size > 0; --overlap-grad-reduce is this engine's own (LocalBackend), with pp 1
-    (its pipeline schedules do not tell the buckets which backward is the last micro-batch's).
-    Without dp > 1 it is accepted and does nothing, as in Megatron-LM."""
+def _grad_reduce_errors(args: PretrainArgs) -> list[str]:
+    """--ddp-bucket-size > 0; --overlap-grad-reduce is this engine's own (LocalBackend), with every
+    schedule (each chunk's last backward starts its buckets: ``interfaces.GradSyncFn``). Without
+    dp > 1 it is accepted and does nothing, as in Megatron-LM."""
     errors = []
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
         errors.append(
@@ -368,11 +368,6 @@ def _grad_reduce_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         )
     if not args.overlap_grad_reduce:
         return errors
-    if layout.pp > 1:
-        errors.append(
-            f"--overlap-grad-reduce with --pipeline-model-parallel-size {layout.pp}: this engine overlaps "
-            f"the gradient all-reduce only without pipeline parallelism; set pp 1 or drop the flag"
-        )
     for flag, given in (("--deepspeed", args.deepspeed), ("--use-torch-fsdp2", args.use_torch_fsdp2)):
         if given:
             errors.append(

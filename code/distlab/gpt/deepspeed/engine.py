@@ -53,6 +53,9 @@ class DeepSpeedBackend:
     def zero_grad(self) -> None:
         pass  # the engine zeroes its gradients after its own step
 
+    def set_grad_sync(self, enabled: bool) -> None:
+        pass  # the engine counts the micro-batches itself (engine.step below)
+
     def backward(self, loss: torch.Tensor, k: int, m: int) -> None:
         self.engine.backward(loss)  # loss / m; ZeRO's hooks reduce at the last micro-batch
         self.engine.step()  # counts the micro-batch; the update happens at the boundary

@@ -15,8 +15,12 @@ Each bucket is one flat all-reduce ``(n_bucket,)`` over that group. Experts' par
 are not in the buckets: ``gradients.reduce_gradients`` reduces them over their own group. With ``overlap`` each
 parameter's post-accumulate-grad hook counts it ready, and the bucket's all-reduce starts
 asynchronously as soon as its last gradient is accumulated, while backward goes on with the
-earlier layers; only in the backward of the step's last micro-batch (the earlier ones only
-accumulate, as Megatron's ``no_sync``). :meth:`GradBuckets.finish`, before the norm and the
+earlier layers; only in the backward of the step's last micro-batch of each model chunk (the
+earlier ones only accumulate, as under Megatron's ``no_sync``: every schedule, pipelined and
+interleaved ones included, sets :attr:`GradBuckets.last_micro_batch` before each backward through
+the back end's ``set_grad_sync``; a bucket spanning two chunks starts when the later one's last
+backward completes it). With pp > 1 the bucket of the tied embedding is held back: its two
+stages' gradients are summed before the dp average. :meth:`GradBuckets.finish`, before the norm and the
 optimizer, waits for every handle. Without ``overlap`` ``finish`` starts the same buckets one
 after the other, after backward: the flag changes when each sum starts, never what it adds, so
 the two runs are equal bit for bit. (Megatron uses one bucket without overlap; the same buckets
@@ -104,16 +108,19 @@ class GradBuckets:
         bucket_size: int,
         overlap: bool,
         reduce_dtype: torch.dtype | None = None,  # --grad-reduce-in-bf16: torch.bfloat16
+        hold: torch.Tensor | None = None,  # its bucket waits for finish (the tied embedding)
     ) -> None:
         self.state, self.overlap = state, overlap
         self.group, self.replicas = state.dp_cp_group, state.dp * state.cp  # the same weights
         dense = [p for p in params if p.requires_grad and not (state.ep > 1 and is_expert(p))]
         self.buckets = [_Bucket(b, reduce_dtype) for b in assign_buckets(dense, bucket_size)]
         self.started = [False] * len(self.buckets)
-        self.last_micro_batch = False  # armed by the back end for the last backward of a step
+        self.last_micro_batch = False  # armed by the schedule for its chunk's last backward of a step
         self.enabled = self.replicas > 1
         if overlap and self.enabled:
             for i, bucket in enumerate(self.buckets):
+                if any(p is hold for p in bucket.params):
+                    continue  # summed over the embedding group first (gradients.reduce_gradients)
                 for p in bucket.params:
                     p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i))
 

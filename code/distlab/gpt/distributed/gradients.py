@@ -9,8 +9,9 @@ gradient of its share of the loss, ``sum_k d(loss_k x S / m)`` (``S`` the fp16 l
 2. data (and context) parallel: ``g = (1 / (dp cp)) sum_r g_r`` over ``state.dp_cp_group`` (the
    ranks holding the same weights; cp ranks saw other tokens), flat all-reduces of the buckets of
    ``grad_buckets.py`` (one bucket by default), after the whole schedule as Megatron's
-   ``finalize_model_grads``, or, with ``--overlap-grad-reduce`` (pp = 1), started during the last
-   micro-batch's backward and only waited for here;
+   ``finalize_model_grads``, or, with ``--overlap-grad-reduce``, started during the last
+   micro-batch's backward (of each pipeline stage and model chunk) and only waited for here (the
+   tied embedding's bucket starts here, after step 1);
    expert parameters (``p.expert_parallel``, ep > 1) instead over ``state.edp_group``, the
    ``dp cp / ep`` ranks that hold the same experts, still divided by dp cp: each rank's expert
    gradient already sums the tokens its ep group's ranks sent it, so the sum over the

@@ -29,7 +29,8 @@ fp32 gradient here (2 in bf16); ``distrib_optimizer.py`` adds the 12 / d (bf16: 
 or 8 / d (fp32: the moments; the parameter is its own main copy).
 
 ``overlap_grad_reduce``: the last gradient of a bucket accumulated during the step's last
-micro-batch starts its reduce-scatter at once (held back: the bucket of the tied embedding, whose
+micro-batch (the schedule's ``grad_sync``; with pp > 1 each stage's last backward) starts its
+reduce-scatter at once (held back: the bucket of the tied embedding, whose
 two stages' gradients are summed first). ``overlap_param_gather``: after the step only the bucket
 the forward needs first (the last one of each kind) starts its all-gather; a module's forward
 pre-hook waits for the bucket of its parameters and starts the next one of its kind (Megatron's
@@ -122,7 +123,7 @@ class ParamAndGradBuffer:
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.params}
         self.held = {self.bucket_of[hold]} if hold is not None and hold in self.bucket_of else set()
         self.pending: set[int] = set()  # buckets whose all-gather has not been waited for
-        self.last_micro_batch = True  # armed by the back end for the last backward of a step
+        self.last_micro_batch = False  # armed by the schedule for its chunk's last backward of a step
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._accumulate)
 
@@ -163,6 +164,7 @@ class ParamAndGradBuffer:
             if bucket.grad_work is not None:
                 bucket.grad_work.wait()
             bucket.grad_work, bucket.ready, bucket.started = None, 0, False
+        self.last_micro_batch = False
 
     @torch.no_grad()
     def start_param_sync(self) -> None:

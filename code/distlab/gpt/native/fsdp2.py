@@ -169,7 +169,8 @@ class FSDP2Backend:
     DTensor's autograd runs TP's collectives), Partial gradients made whole, the global norm
     over the shards, clipping, the run's optimizer on the shards.
 
-    Under FSDP, micro-batches ``0 .. m - 2`` run with ``set_requires_gradient_sync(False)``: their
+    Under FSDP, micro-batches ``0 .. m - 2`` run with ``set_requires_gradient_sync(False)``
+    (:meth:`set_grad_sync`, which the schedule calls before each backward): their
     full gradients accumulate unsharded (in fp32 under the bf16 policy), and the last one
     reduce-scatters their sum, once per block and step: each rank keeps its rows of the mean over
     the dp ranks (FSDP2's default divides the reduced sum by dp). DTensor TP alone has dp = 1
@@ -183,9 +184,11 @@ class FSDP2Backend:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def backward(self, loss: torch.Tensor, k: int, m: int) -> None:
+    def set_grad_sync(self, enabled: bool) -> None:
         if self.fsdp:
-            self.module.set_requires_gradient_sync(k == m - 1)
+            self.module.set_requires_gradient_sync(enabled)
+
+    def backward(self, loss: torch.Tensor, k: int, m: int) -> None:
         mean_backward(loss, k, m)  # loss_k / m
 
     def step(self) -> StepOutcome:

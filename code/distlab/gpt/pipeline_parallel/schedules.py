@@ -22,7 +22,8 @@ of ``L / (p v)`` layers and runs Megatron's interleaved order; bubble ``(p-1)/(v
 
 Communication: only the named steps of ``p2p_communication.py``, each one batch of point-to-point
 operations. Gradient finalisation (tied embedding, data parallel, norm, clipping) follows the
-schedule, in ``distributed/gradients.py``.
+schedule, in ``distributed/gradients.py``; with ``--overlap-grad-reduce`` the data-parallel buckets
+start during each chunk's last backward (``B3`` above), told by the back end's ``grad_sync``.
 
 Tied embedding: the first stage holds E for the input, the last stage a copy for the logits;
 both start equal (``model.init_parameters``) and stay equal (``gradients.reduce_gradients``).
@@ -38,7 +39,7 @@ from functools import partial
 
 import torch
 
-from distlab.gpt.interfaces import BackwardFn, mean_backward
+from distlab.gpt.interfaces import BackwardFn, GradSyncFn, mean_backward, no_grad_sync
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.interleaved import ChunkStep, run_interleaved
 from distlab.gpt.pipeline_parallel.p2p_communication import (
@@ -69,6 +70,7 @@ class _Stage:
     spec: P2PSpec
     timeline: PipelineTimeline | None
     backward_fn: BackwardFn  # the back end's hook, on the last stage's loss: d(loss_i x S / m)
+    grad_sync: GradSyncFn  # the back end's: True before this chunk's last backward of the step
     m: int
     is_last: bool  # the last (virtual) stage: its step returns the loss
     chunk: int = 0  # which of this rank's model chunks (interleaved schedule)
@@ -88,7 +90,9 @@ class _Stage:
         return y
 
     def backward(self, x: torch.Tensor | None, y: torch.Tensor, dy: torch.Tensor | None, i: int):
-        """B_i: back-propagate dy (on the last stage, y is the loss: the back end's hook); return dx."""
+        """B_i: back-propagate dy (on the last stage, y is the loss: the back end's hook); return dx.
+        B_{m-1}, the chunk's last, runs with gradient sync enabled, the others without."""
+        self.grad_sync(i == self.m - 1)
         with self.timeline.record("B", i, self.chunk) if self.timeline else nullcontext():
             if self.is_last:
                 self.backward_fn(y, i, self.m)
@@ -138,12 +142,12 @@ def run_1f1b(s: _Stage, m: int) -> None:
         send_backward(s.backward(*saved.popleft(), dy, i), state, spec)
 
 
-def _stages(step, state, spec, timeline, backward, m: int, chunks: int) -> list[_Stage]:
+def _stages(step, state, spec, timeline, backward, grad_sync, m: int, chunks: int) -> list[_Stage]:
     """One runner per model chunk; the last stage's last chunk returns the loss."""
     if chunks == 1:
-        return [_Stage(step, state, spec, timeline, backward, m, state.is_last_stage)]
+        return [_Stage(step, state, spec, timeline, backward, grad_sync, m, state.is_last_stage)]
     return [
-        _Stage(partial(_chunk_step, step, c), state, spec, timeline, backward, m,
+        _Stage(partial(_chunk_step, step, c), state, spec, timeline, backward, grad_sync, m,
                state.is_last_stage and c == chunks - 1, chunk=c)
         for c in range(chunks)
     ]  # fmt: skip
@@ -162,13 +166,17 @@ def forward_backward_pipeline(
     schedule: str = "1f1b",
     timeline: PipelineTimeline | None = None,
     backward: BackwardFn = mean_backward,
+    grad_sync: GradSyncFn = no_grad_sync,
     chunks: int = 1,
 ) -> list[torch.Tensor]:
     """Run one batch through this rank's stage; gradients accumulate in ``.grad``.
 
     On the last stage ``backward(loss_i, i, m)`` back-propagates each micro-batch's loss (the
     back end's hook: ``loss_i x S / m``, ``S`` fp16's scale); the other stages back-propagate
-    the gradient they receive. ``chunks = v > 1``: interleaved 1F1B, ``step(x, i, chunk)``.
+    the gradient they receive. Before every backward, ``grad_sync(i == m - 1)`` (Megatron's
+    ``no_sync_func`` / ``enable_grad_sync``): only each chunk's last one may start the data-parallel
+    reduction of its gradients (``--overlap-grad-reduce``); the back end finishes it after the
+    schedule. ``chunks = v > 1``: interleaved 1F1B, ``step(x, i, chunk)``.
     Returns the m per-micro-batch losses (detached, unscaled) on the last stage, ``[]``
     elsewhere. Finalise the gradients afterwards (``gradients.finalize_gradients``).
     """
@@ -178,7 +186,7 @@ def forward_backward_pipeline(
         raise ValueError(f"the pipeline needs >= 1 micro-batch per step, got {m}")
     if timeline is not None:
         timeline.start_step(schedule, m, chunks)
-    stages = _stages(step, state, spec, timeline, backward, m, chunks)
+    stages = _stages(step, state, spec, timeline, backward, grad_sync, m, chunks)
     if chunks > 1:
         run_interleaved(stages, m)
     else:
@@ -197,7 +205,7 @@ def forward_only_pipeline(
 ) -> list[torch.Tensor]:
     """Evaluation: forwards only, each sent on at once; the losses on the last stage."""
     if chunks > 1:
-        stages = _stages(step, state, spec, None, mean_backward, num_microbatches, chunks)
+        stages = _stages(step, state, spec, None, mean_backward, no_grad_sync, num_microbatches, chunks)
         run_interleaved(stages, num_microbatches, forward_only=True)
         return stages[-1].losses
     losses: list[torch.Tensor] = []
@@ -268,6 +276,7 @@ class PipelineForwardBackward:
         batches: list,
         *,
         backward: BackwardFn = mean_backward,
+        grad_sync: GradSyncFn = no_grad_sync,
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         forward_only: bool = False,
     ) -> torch.Tensor:
@@ -277,7 +286,12 @@ class PipelineForwardBackward:
             losses = forward_only_pipeline(step, **kw)
         else:
             losses = forward_backward_pipeline(
-                step, **kw, schedule=self.schedule, timeline=self.timeline, backward=backward
+                step,
+                **kw,
+                schedule=self.schedule,
+                timeline=self.timeline,
+                backward=backward,
+                grad_sync=grad_sync,
             )
         model.set_input_tensor(None)
         if losses:

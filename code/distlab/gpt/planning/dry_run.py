@@ -203,7 +203,7 @@ def step_collectives(
                            overlap_grad_reduce=args.overlap_grad_reduce, reduce_dtype=reduce_dtype)  # fmt: skip
     with record_collectives(state) as calls:
         backend.zero_grad()
-        run(model, batches, backward=backend.backward)
+        run(model, batches, backward=backend.backward, grad_sync=backend.set_grad_sync)
         try:
             backend.step()
         except (RuntimeError, NotImplementedError):

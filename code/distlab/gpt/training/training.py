@@ -36,11 +36,13 @@ from distlab.gpt.distributed.gradients import finalize_gradients
 from distlab.gpt.interfaces import (
     AutocastFn,
     BackwardFn,
+    GradSyncFn,
     MicroBatch,
     StepBackend,
     StepOutcome,
     StepResult,
     mean_backward,
+    no_grad_sync,
 )
 from distlab.gpt.moe.moe_layer import set_aux_loss_scale
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
@@ -78,17 +80,19 @@ def forward_backward(
     batches: list[MicroBatch],
     *,
     backward: BackwardFn = mean_backward,
+    grad_sync: GradSyncFn = no_grad_sync,
     autocast: AutocastFn = contextlib.nullcontext,
     forward_only: bool = False,
 ) -> torch.Tensor:
-    """Forward (+ ``backward(loss_k, k, m)`` unless ``forward_only``) over the step's micro-batches
-    (pp = 1). Returns the mean micro-batch loss, a detached fp32 scalar."""
+    """Forward (+ ``grad_sync(k == m - 1)``, ``backward(loss_k, k, m)`` unless ``forward_only``)
+    over the step's micro-batches (pp = 1). Returns the mean micro-batch loss, a detached fp32 scalar."""
     total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
     m = len(batches)
     for k, (tokens, labels) in enumerate(batches):
         with autocast():
             loss = model(tokens, labels).mean()  # per-token (b, T) -> scalar
         if not forward_only:
+            grad_sync(k == m - 1)  # only the last backward's gradients start the dp reduction
             backward(loss, k, m)
         total += loss.detach().float()
     return total / m
@@ -110,7 +114,8 @@ class LocalBackend:
     finalisation (tied embedding, dp all-reduce, fp16 unscale, norm, clip) and the optimizer.
 
     The dp all-reduce runs in ``grad_buckets`` (default: one bucket, after backward); with
-    ``overlap_grad_reduce`` each bucket starts during the last micro-batch's backward. The step is
+    ``overlap_grad_reduce`` each bucket starts during the last micro-batch's backward (of each
+    model chunk: the schedules call :meth:`set_grad_sync` before every backward). The step is
     skipped after an fp16 overflow (the scaler backs off: the one read of the device in an fp16
     step) or a non-finite norm (decided on the device: ``optimizer.step_unless``).
     """
@@ -139,15 +144,19 @@ class LocalBackend:
                 bucket_size=size,
                 overlap=overlap_grad_reduce,
                 reduce_dtype=reduce_dtype,
+                hold=model.tied_embedding() if state.embedding_group is not None else None,
             )
         )
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def set_grad_sync(self, enabled: bool) -> None:
+        """The next backward is its chunk's last micro-batch's: the buckets' hooks start their reductions."""
+        self.grad_buckets.last_micro_batch = enabled
+
     def backward(self, loss: torch.Tensor, k: int, m: int) -> None:
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        self.grad_buckets.last_micro_batch = k == m - 1  # its hooks start the buckets' all-reduces
         (loss * (scale / m)).backward()
 
     def step(self) -> StepOutcome:
@@ -200,7 +209,9 @@ def train_step(
     scaler = getattr(backend, "scaler", None)  # LocalBackend's (fp16); other back ends have no MoE
     set_aux_loss_scale(backend.module, (scaler.scale if scaler is not None else 1.0) / len(batches))
     timer = Timer(batches[0][0].device) if time_forward_backward else None
-    loss = forward_backward_fn(backend.module, batches, backward=backend.backward, autocast=autocast)
+    loss = forward_backward_fn(
+        backend.module, batches, backward=backend.backward, grad_sync=backend.set_grad_sync, autocast=autocast
+    )
     # before the loss and gradient reductions wait for others
     forward_backward_ms = 1000 * timer.lap() if timer is not None else 0.0
     loss = reduce_loss(loss, state)
