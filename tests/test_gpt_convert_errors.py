@@ -174,12 +174,12 @@ LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_at
              swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "extra,flag",
-    [({"layernorm_zero_centered_gamma": True}, "Llama needs no --apply-layernorm-1p"),
-     ({"num_experts": 2, "moe_expert_capacity_factor": 1.0}, "needs no --moe-expert-capacity-factor (dropless)")],
-)  # fmt: skip
-def test_a_llama_run_transformers_cannot_express(tmp_path, capsys, no_weights_read, extra, flag):
+def test_a_llama_run_transformers_cannot_express(tmp_path, capsys, no_weights_read):
+    """(--apply-layernorm-1p is expressed: 1 + the stored gamma, tests/test_gpt_hf_llama.py.)"""
+    extra, flag = (
+        {"num_experts": 2, "moe_expert_capacity_factor": 1.0},
+        "needs no --moe-expert-capacity-factor (dropless)",
+    )
     args = PretrainArgs(**LLAMA, **extra)
     course_checkpoint.write_release(str(tmp_path / "c"), args, model_config(args, 128), {})
     err = convert_fails(capsys, "--to", "hf", "--load", str(tmp_path / "c"), "--save", str(tmp_path / "o"))

@@ -76,12 +76,14 @@ def tokens(seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "family,untie",
-    [("llama", True), ("llama", False), ("mixtral", True)],
-    ids=["llama", "llama-tied", "mixtral"],
+    "family,untie,one_p",
+    [("llama", True, False), ("llama", False, False), ("mixtral", True, False), ("llama", True, True)],
+    ids=["llama", "llama-tied", "mixtral", "llama-1p"],
 )
-def test_course_model_converted_out_computes_transformers_logits(family, untie, tmp_path):
-    model, args = course_model(family, untie)
+def test_course_model_converted_out_computes_transformers_logits(family, untie, one_p, tmp_path):
+    """llama-1p: --apply-layernorm-1p (Megatron's Llama 3 script) stores gamma - 1; written as gamma."""
+    model, args = course_model(family, untie, layernorm_zero_centered_gamma=one_p)
+    assert model.cfg.layernorm_zero_centered_gamma is one_p
     hf_checkpoint.write(str(tmp_path), FAMILIES[family][0], model.cfg, args, model.state_dict(), None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(hf).__name__ == FAMILIES[family][0].hf_class

@@ -1,4 +1,4 @@
-"""The log-based checks of the layout exercises (notebooks 04, 05 and 09).
+"""The log-based checks of the layout exercises (notebooks 04, 05, 09 and 11).
 
 A run is right when its banner is that of the asked layout (world size = dp x tp x pp) and its
 last iteration line was printed (``iteration n/ n``): the job trained to the end. Notebook 05's
@@ -8,7 +8,8 @@ line), and its timeline must be that run's (m micro-batches over p stages); the 
 the timeline is shown, not checked (:data:`BUBBLE_SPREAD`). Notebook 09's
 long-sequence run must also train on the asked sequence length (read from its iteration lines
 whatever the layout) and stay within a memory budget per rank (its ``> memory:`` line) with
-tensor parallelism inside a node.
+tensor parallelism inside a node. Notebook 11's Llama run must hold the whole model and stay
+within a memory budget per rank with tensor parallelism inside a node.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from pathlib import Path
 from distlab.checks import FIXME, check
 from distlab.gpt.pipeline_parallel.timeline import load_timeline, theoretical_bubble
 from distlab.logs.formats import CONTEXT_PARALLEL, ITERATION
-from distlab.logs.megatron import banner_line, batch_arithmetic, layout_and_completion, parse_banner
+from distlab.logs.megatron import (
+    banner_line,
+    batch_arithmetic,
+    layout_and_completion,
+    parameter_counts,
+    parse_banner,
+)
 from distlab.logs.memory import prediction
 
 BUBBLE_SPREAD = 0.13
@@ -121,17 +128,32 @@ def long_sequence_run(text: str) -> dict:
     }
 
 
-def long_sequence_predictions(
-    gpt_args: str, *, world_size: int, seq_length: int, vocab_size: int = 4096
-) -> dict[tuple[int, int], float]:
-    """(tp, cp) -> the predicted peak per rank in MiB that the run's ``> memory:`` line would print
-    (``memory_estimate``, first iteration) for every layout of ``world_size`` ranks (pp 1, dp what
-    is left, one micro-batch of 1 per step) that the model ``gpt_args`` allows at ``seq_length``."""
-    import shlex
-
+def predicted_peak_mib(argv: list[str], *, world_size: int, vocab_size: int) -> float | None:
+    """The predicted peak per rank in MiB that a run of ``argv`` on ``world_size`` ranks prints in
+    its ``> memory:`` line (``memory_estimate``, first iteration); None for a layout the model does
+    not allow (heads or hidden size that tp does not divide, a sequence 2cp does not cut)."""
     from distlab.gpt.arguments import build_layout, parse_args
     from distlab.gpt.memory.memory_estimate import MemorySetup, estimate
     from distlab.gpt.tensor_parallel.layers import pad_vocab_size
+
+    args = parse_args(argv)
+    try:
+        layout = build_layout(args, world_size)
+        layout.validate_model(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+                              hidden_size=args.hidden_size, seq_length=args.seq_length)  # fmt: skip
+    except ValueError:
+        return None
+    vocab = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, layout.tp)
+    return estimate(MemorySetup.from_run(args, layout, vocab)).peak(first_iteration=True) / 2**20
+
+
+def long_sequence_predictions(
+    gpt_args: str, *, world_size: int, seq_length: int, vocab_size: int = 4096
+) -> dict[tuple[int, int], float]:
+    """(tp, cp) -> the predicted peak per rank in MiB (:func:`predicted_peak_mib`) for every layout
+    of ``world_size`` ranks (pp 1, dp what is left, one micro-batch of 1 per step) that the model
+    ``gpt_args`` allows at ``seq_length``."""
+    import shlex
 
     out = {}
     sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -139,15 +161,9 @@ def long_sequence_predictions(
         argv = [*shlex.split(gpt_args), "--seq-length", str(seq_length), "--max-position-embeddings",
                 str(seq_length), "--micro-batch-size", "1", "--global-batch-size", str(world_size // (tp * cp)),
                 "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp)]  # fmt: skip
-        args = parse_args(argv)
-        try:
-            layout = build_layout(args, world_size)
-            layout.validate_model(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                                  hidden_size=args.hidden_size, seq_length=seq_length)  # fmt: skip
-        except ValueError:  # heads or hidden size that tp does not divide, a sequence 2cp does not cut
-            continue
-        vocab = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
-        out[tp, cp] = estimate(MemorySetup.from_run(args, layout, vocab)).peak(first_iteration=True) / 2**20
+        mib = predicted_peak_mib(argv, world_size=world_size, vocab_size=vocab_size)
+        if mib is not None:
+            out[tp, cp] = mib
     return out
 
 
@@ -188,3 +204,67 @@ def check_long_sequence_run(
         f"head's included, by its size? And did the run finish?"
     )
     return check("the long-sequence run", answer, ok=ok, hint=hint)
+
+
+def state_layout_predictions(
+    model_args: str, *, world_size: int, vocab_size: int
+) -> dict[tuple[int, int, bool], float]:
+    """(tp, cp, distributed optimizer) -> the predicted peak per rank in MiB
+    (:func:`predicted_peak_mib`) of the model ``model_args`` (its own ``--seq-length``) on
+    ``world_size`` ranks, pp 1, dp what is left, one micro-batch of 1 per step, with and without
+    ``--use-distributed-optimizer`` (notebook 11's exercise)."""
+    import shlex
+
+    out = {}
+    sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for tp, cp in ((tp, cp) for tp in sizes for cp in sizes if world_size % (tp * cp) == 0):
+        for distopt in (False, True):
+            argv = [*shlex.split(model_args), "--micro-batch-size", "1", "--global-batch-size",
+                    str(world_size // (tp * cp)), "--tensor-model-parallel-size", str(tp),
+                    "--context-parallel-size", str(cp), *(["--use-distributed-optimizer"] if distopt else [])]  # fmt: skip
+            mib = predicted_peak_mib(argv, world_size=world_size, vocab_size=vocab_size)
+            if mib is not None:
+                out[tp, cp, distopt] = mib
+    return out
+
+
+def state_layout_run(text: str) -> dict:
+    """What notebook 11's exercise reads from a run's log: world size, tp, the parameters the
+    pipeline's first stage holds over its tp ranks, the predicted peak per rank (MiB) and whether
+    it trained to the last iteration."""
+    banner, done = parse_banner(text), layout_and_completion(text)[1]
+    counts = parameter_counts(text)
+    return {
+        "world_size": banner.world_size,
+        "tp": banner.tp,
+        "parameters": sum(n for (_, pp), n in counts.items() if pp == 0),
+        "predicted_mib": prediction(text).get("predicted"),
+        "finished": done,
+    }
+
+
+def check_state_layout_run(
+    text: str | None, *, world_size: int, num_parameters: int, budget_mib: float, max_tp: int
+) -> bool:
+    """``check`` notebook 11's run: ``world_size`` ranks, the whole model (at least
+    ``num_parameters`` over the first stage's tp ranks: tp copies of the norms add a few), a
+    predicted peak per rank within ``budget_mib``, tp <= ``max_tp`` (inside a node), finished."""
+    answer = FIXME if text is None else state_layout_run(text)
+
+    def ok(run: dict) -> bool:
+        return (
+            run["world_size"] == world_size
+            and run["parameters"] >= num_parameters
+            and run["predicted_mib"] is not None
+            and run["predicted_mib"] <= budget_mib
+            and run["tp"] <= max_tp
+            and run["finished"]
+        )
+
+    hint = (
+        f"the whole model ({num_parameters:,} parameters) on {world_size} ranks = tp x cp x dp; tensor "
+        f"parallelism at most {max_tp} (inside a node); the predicted peak per rank (the '> memory:' line) at "
+        f"most {budget_mib} MiB. At this sequence length the model states dominate: which dimension divides "
+        f"the parameters and gradients, and which flag shards the optimizer states over the rest? Did the run finish?"
+    )
+    return check("the Llama's layout within the budget", answer, ok=ok, hint=hint)

@@ -1,5 +1,6 @@
 """Notebook 07's reading of memory runs: the driver's prediction line, the job's cgroup peak and
-limit, the CUDA cap, and one summary row per run (for the sweep plot and the fixes table).
+limit, the CUDA cap, and one summary row per run (for the sweep plot and the fixes table);
+notebook 11's bytes per parameter per rank (the distributed optimizer) from the ranks' memory lines.
 
     > memory: predicted peak 669.1 MiB | measured 709.2 MiB (peak RSS above the 690 MiB before the model) | error +6.0%
     job 223: peak 1116 MiB of its 1300 MiB limit (memory cgroup v1)        (code/job_peak_memory.py)
@@ -12,7 +13,7 @@ import re
 import statistics
 
 from distlab.logs.formats import PREDICTION
-from distlab.logs.megatron import batch_arithmetic, iterations
+from distlab.logs.megatron import batch_arithmetic, iterations, memory_rows
 
 JOB_PEAK_RE = re.compile(r"job \d+: peak (?P<peak>\d+) MiB of its (?P<limit>\d+) MiB limit")
 OOM_RE = re.compile(r"out of memory|oom-kill|OutOfMemoryError", re.IGNORECASE)
@@ -69,3 +70,18 @@ def summary(text: str) -> dict:
         "skipped": [r["skipped"] for r in its],
         "oom": bool(oom_lines(text)),
     }
+
+
+def bytes_per_parameter(text: str) -> tuple[float, float]:
+    """(parameters + gradients + optimizer state) / parameters of each rank, from its ``memory
+    (MiB)`` line, averaged over the ranks; and how far the line's rounding may move it (each of
+    the three is printed to 0.01 MiB: 3 x 0.005 MiB over the rank with the fewest values)."""
+    rows = memory_rows(text)
+    if not rows:
+        raise ValueError(
+            "no '[rank N ...] memory (MiB):' line in this log: did the run finish its first iteration?"
+        )
+    got = statistics.mean(
+        (r["params_mib"] + r["grads_mib"] + r["optim_mib"]) * 2**20 / r["values"] for r in rows
+    )
+    return got, 3 * 0.005 * 2**20 / min(r["values"] for r in rows)

@@ -37,7 +37,14 @@ Configuration: ``rms_norm_eps`` is ``--norm-epsilon``; ``rope_parameters.rope_th
 ``hidden_act`` silu. Refused on the way in, each naming the field and what the course lacks: a
 bias (``attention_bias``, ``mlp_bias``: the course's ``--disable-bias-linear`` is all or none), RoPE
 scaling (``rope_type`` other than default), a partial rotation (``partial_rotary_factor``), another
-activation, a non-integral base. The Mixtral module (``mixtral.py``) reuses all but the MLP.
+activation, a non-integral base.
+
+**``--apply-layernorm-1p``** (Megatron's Llama 3 script passes it; megatron-core's
+``layernorm_zero_centered_gamma``): each RMSNorm stores gamma - 1 and scales by 1 + it
+(``norms.py``). transformers stores gamma itself, so on the way out every norm weight (ln1, ln2,
+ln_f) is written as 1 + the stored value, in fp32: the same function. On the way in the course run
+gets plain gamma (no ``--apply-layernorm-1p``), so course -> HF -> course is bit-equal for runs without
+it and equal in function for runs with it. The Mixtral module (``mixtral.py``) reuses all but the MLP.
 """
 
 from __future__ import annotations
@@ -57,7 +64,6 @@ NEEDS: Needs = {
     "rotary_percent": (1.0, "--rotary-percent 1.0"),
     "swiglu": (True, "--swiglu"),
     "add_bias_linear": (False, "--disable-bias-linear"),
-    "layernorm_zero_centered_gamma": (False, "no --apply-layernorm-1p"),
 }
 #: Per block, the weights copied as they are: course suffix -> transformers suffix.
 SAME = {
@@ -177,7 +183,16 @@ def dense_from_hf(sd: StateDict, c: str, h: str, cfg: GPTConfig) -> StateDict:
     return {f"{c}mlp.fc1.weight": fc1, f"{c}mlp.fc2.weight": sd[f"{h}mlp.down_proj.weight"]}
 
 
+def _gammas(sd: StateDict, cfg: GPTConfig) -> StateDict:
+    """Every norm's gamma as transformers stores it: 1 + the stored weight under ``--apply-layernorm-1p``."""
+    if not cfg.layernorm_zero_centered_gamma:
+        return sd
+    norm = ("ln1.weight", "ln2.weight", "ln_f.weight")
+    return {k: v.float() + 1 if k.endswith(norm) else v for k, v in sd.items()}
+
+
 def to_hf(sd: StateDict, cfg: GPTConfig, mlp: MlpMap = dense_to_hf) -> StateDict:
+    sd = _gammas(sd, cfg)
     out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f.weight"]}
     if cfg.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = sd["output_layer.weight"]
