@@ -174,6 +174,17 @@ def long_sequence_budget(predictions: dict[tuple[int, int], float]) -> int:
     return round(0.95 * min(mib for (_, cp), mib in predictions.items() if cp == 1))
 
 
+def fits_and_finished(run: dict, *, budget_mib: float, max_tp: int) -> bool:
+    """What both layout exercises ask of a run besides its shape: a predicted peak per rank (the
+    '> memory:' line) within ``budget_mib``, tp <= ``max_tp`` (inside a node), trained to the end."""
+    return (
+        run["predicted_mib"] is not None
+        and run["predicted_mib"] <= budget_mib
+        and run["tp"] <= max_tp
+        and run["finished"]
+    )
+
+
 def check_long_sequence_run(
     text: str | None, *, world_size: int, seq_length: int, budget_mib: float, max_tp: int
 ) -> bool:
@@ -191,10 +202,7 @@ def check_long_sequence_run(
             and trained is not None
             and abs(trained[0] - seq_length) <= trained[1]
             and (run["cp"] == 1 or run["seq_length"] == seq_length)
-            and run["predicted_mib"] is not None
-            and run["predicted_mib"] <= budget_mib
-            and run["tp"] <= max_tp
-            and run["finished"]
+            and fits_and_finished(run, budget_mib=budget_mib, max_tp=max_tp)
         )
 
     hint = (
@@ -255,10 +263,7 @@ def check_state_layout_run(
         return (
             run["world_size"] == world_size
             and run["parameters"] >= num_parameters
-            and run["predicted_mib"] is not None
-            and run["predicted_mib"] <= budget_mib
-            and run["tp"] <= max_tp
-            and run["finished"]
+            and fits_and_finished(run, budget_mib=budget_mib, max_tp=max_tp)
         )
 
     hint = (
