@@ -6,14 +6,15 @@ MFU, with the error and where the predicted step goes::
     python benchmarks/bench_step_model.py
 
 Measured here (``--local``): the local hardware is measured first (``planning/local_cluster.py``:
-one rank's GEMM rate, a gloo all-reduce's alpha and bus bandwidth), then the fraction of that
-GEMM rate the model's step reaches, from the first layout (the one calibration: a CPU step of a
-small model is far from its GEMM peak), then the other 19 of 20 layouts of a small
-GPT over 2 spawned gloo ranks (dp, tp, tp + SP, pp, interleaved pp, cp, ep; 1, 2 or 4
-micro-batches) each train ``--iters`` iterations on mock data; the median iteration after the
-first is compared with the prediction. Prints the table and the median absolute error over the 19 (the
-issue's target: at most 15%). About 5 to 10 minutes on the 2-core machine; timings of a shared
-machine are noisy::
+one rank's GEMM rate, a gloo all-reduce's alpha and bus bandwidth, an fp32 exp's latency and
+bandwidth), then the fraction of that GEMM rate the model's step reaches, from the first layout
+(the one calibration: a CPU step of a small model is far from its GEMM peak), then the other 21 of
+22 layouts of a small GPT over 2 spawned gloo ranks (dp, tp, tp + SP, pp, interleaved pp, cp, ep
+with the alltoall and the allgather dispatcher; 1 to 8 micro-batches) each train ``--iters``
+iterations on mock data; the median iteration after the first is compared with the prediction.
+Prints the table (with where the predicted step goes) and the median absolute error over the 21
+(the issue's target: at most 15% over at least 20). About 6 to 12 minutes on the 2-core machine;
+timings of a shared machine are noisy (quote ``uptime`` with the figures)::
 
     python benchmarks/bench_step_model.py --local [--iters 6]
 """
@@ -21,12 +22,14 @@ machine are noisy::
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 
 from distlab.gpt.planning.local_cluster import calibrate, measure_local, predict_run
 from distlab.gpt.planning.published import table
+from distlab.gpt.planning.step_model import StepPrediction
 from distlab.gpt.tools.local_run import spawn_pretrain
 
 MODEL = (
@@ -42,20 +45,24 @@ DIMS = {
     "pp 2 v 2": "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2",
     "cp 2": "--context-parallel-size 2",
 }
-EXPERTS = "--num-experts 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+EXPERTS = "--num-experts 4 --expert-model-parallel-size 2"
 
 
 def local_layouts() -> list[tuple[str, str]]:
-    """20 (name, flags): six layouts x 1, 2 and 4 micro-batches of 2 samples (interleaved: 2, 4, 8,
-    multiples of pp), and ep 2 x 1 and 2."""
+    """22 (name, flags): six layouts x 1, 2 and 4 micro-batches of 2 samples (interleaved: 2, 4, 8,
+    multiples of pp), and ep 2 x 1 and 2 micro-batches with each token dispatcher."""
     out = []
     for name, flags in DIMS.items():
         for m in (2, 4, 8) if "v 2" in name else (1, 2, 4):
             dp = 2 if name == "dp 2" else 1
             batch = 2 * m * dp
             out.append((f"{name}, m {m}", f"{flags} --micro-batch-size 2 --global-batch-size {batch}"))
-    for m in (1, 2):
-        out.append((f"ep 2, m {m}", f"{EXPERTS} --micro-batch-size 2 --global-batch-size {4 * m}"))
+    for dispatcher in ("alltoall", "allgather"):
+        for m in (1, 2):
+            flags = f"{EXPERTS} --moe-token-dispatcher-type {dispatcher}"
+            out.append(
+                (f"ep 2 {dispatcher}, m {m}", f"{flags} --micro-batch-size 2 --global-batch-size {4 * m}")
+            )
     return out
 
 
@@ -66,13 +73,22 @@ def measured_step(argv: list[str], world: int) -> float:
     return statistics.median(result.last["iter_ms"][1:]) / 1000
 
 
+def where(p: StepPrediction) -> str:
+    """The predicted step's exposed communication and bubble, in ms."""
+    parts = [f"{k} {1000 * v:.1f}" for k, v in p.exposed.items() if v > 0]
+    return ", ".join(parts + ([f"bubble {1000 * p.bubble:.1f}"] if p.bubble > 0 else [])) or "none"
+
+
 def run_local(iters: int) -> None:
     """Measure the hardware; calibrate the fraction of its GEMM rate the model's step reaches on
     the first layout (dp 2, one micro-batch: the step is its compute and one all-reduce); predict
     and measure the other 19."""
+    print("> load average at the start: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg()))
     hw = measure_local(ranks_per_node=2, threads_per_rank=1)
+    el = hw.elementwise
     print(f"> {hw.name}: {hw.peak_flops / 1e9:.1f} GFLOP/s per rank, all-reduce alpha "
-          f"{hw.intra_node.latency * 1e3:.2f} ms, bus bandwidth {hw.intra_node.bandwidth / 1e9:.2f} GB/s")  # fmt: skip
+          f"{hw.intra_node.latency * 1e3:.3f} ms, bus bandwidth {hw.intra_node.bandwidth / 1e9:.2f} GB/s, "
+          f"fp32 exp {el.latency * 1e6:.1f} us + bytes / {el.bandwidth / 1e9:.2f} GB/s")  # fmt: skip
     layouts = local_layouts()
     name, flags = layouts[0]
     argv = f"{MODEL} {flags} --train-iters {iters}".split()
@@ -80,14 +96,18 @@ def run_local(iters: int) -> None:
     hw = calibrate(hw, argv, measured)
     print(f"> calibration, {name}: measured {1000 * measured:.1f} ms, so the step reaches {100 * hw.achieved_fraction:.0f}% "
           "of the GEMM rate (used below)")  # fmt: skip
-    print(f"{'layout':22s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}")
+    print(
+        f"{'layout':26s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}  predicted: compute, unfused, exposed ms"
+    )
     errors = []
     for name, flags in layouts[1:]:
         argv = f"{MODEL} {flags} --train-iters {iters}".split()
-        predicted, measured = predict_run(argv, hw).step, measured_step(argv, 2)
+        p = predict_run(argv, hw)
+        predicted, measured = p.step, measured_step(argv, 2)
         errors.append(abs(predicted - measured) / measured)
-        print(f"{name:22s} {1000 * predicted:13.1f} {1000 * measured:12.1f} {100 * (predicted - measured) / measured:+6.1f}%",
-              flush=True)  # fmt: skip
+        print(f"{name:26s} {1000 * predicted:13.1f} {1000 * measured:12.1f} {100 * (predicted - measured) / measured:+6.1f}%  "
+              f"{1000 * p.compute:.1f}, {1000 * p.unfused:.1f}, {where(p)}", flush=True)  # fmt: skip
+    print("> load average at the end: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg()))
     print(
         f"> median absolute error over {len(errors)} layouts: {100 * statistics.median(errors):.1f}% (target 15%)"
     )
@@ -97,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--local", action="store_true", help="also measure 20 layouts on 2 local gloo ranks")
+    parser.add_argument("--local", action="store_true", help="also measure 22 layouts on 2 local gloo ranks")
     parser.add_argument(
         "--iters", type=int, default=6, help="iterations per local layout (the first is not timed)"
     )

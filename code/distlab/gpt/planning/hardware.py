@@ -10,6 +10,10 @@ measures a collective's bus bandwidth (``distlab.comm.bench``) and notebook 04 t
     flash_attention      whether attention skips the masked half of a causal mask (GPU kernels)
     intra_node, inter_node   bus bandwidth (GB/s, 1e9 B) per device and latency (us) of one
                          collective over a group inside one node, or spanning nodes
+    elementwise          (optional) one memory-bound kernel's latency (us) and bandwidth (GB/s of
+                         bytes read + written): what unfused work costs, as the engine's ring
+                         attention and expert permutation run it (measured locally; absent from
+                         the GPU files, whose fused kernels the achieved fraction describes)
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Hardware:
     inter_node: Link
     flash_attention: bool = True  # fused attention skips causal attention's masked half (GPUs)
     source: str = ""
+    elementwise: Link | None = None  # one memory-bound kernel: latency + bytes / bandwidth
 
     @property
     def achieved_flops(self) -> float:
@@ -60,6 +65,7 @@ class Hardware:
             inter_node=link(d["inter_node"]),
             flash_attention=d.get("flash_attention", True),
             source=d.get("source", ""),
+            elementwise=link(d["elementwise"]) if "elementwise" in d else None,
         )
 
     def to_dict(self) -> dict:
@@ -76,7 +82,7 @@ class Hardware:
             "inter_node": link(self.inter_node),
             "flash_attention": self.flash_attention,
             "source": self.source,
-        }
+        } | ({"elementwise": link(self.elementwise)} if self.elementwise else {})
 
 
 def load(name: str | Path) -> Hardware:

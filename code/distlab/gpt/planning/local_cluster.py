@@ -5,7 +5,9 @@ large fp32 matrix products with the threads a rank computes with); notebook 02 t
 over gloo and reports nccl-tests' bus bandwidth (``distlab.comm.bench``). :func:`measure_local`
 does both at a smaller scale: the GEMM rate of one rank's threads, and an all-reduce among
 ``ranks`` spawned gloo ranks at a small size (its time is the latency, alpha) and a large one
-(bus bandwidth = 2 (n - 1) / n x bytes / (time - alpha)). Both nodes of the course's cluster are
+(bus bandwidth = 2 (n - 1) / n x bytes / (time - alpha)), and one memory-bound kernel the same way
+(:func:`measure_elementwise`: an fp32 exp, softmax's kernel, on a few elements and on a block the
+size of a ring-attention score block). Both nodes of the course's cluster are
 this machine (loopback), so one link serves inside and between "nodes".
 
 A CPU step of a small model stays far below the GEMM rate (small matrices, attention, the Python
@@ -19,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +38,7 @@ from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.training.flops import measure_gemm_tflops
 
 SMALL, LARGE = 1024, 8 * 2**20  # bytes of the all-reduces that give alpha and the bandwidth
+TINY, BLOCK = 16, 2**16  # fp32 elements of the exps that give a kernel's latency and the bandwidth
 
 
 def _time_all_reduce(rank: int, world: int, port: int, out: str) -> None:
@@ -63,12 +68,36 @@ def measure_link(ranks: int = 2) -> Link:
     return Link(bandwidth=factor * LARGE / max(large - small, 1e-9), latency=small)
 
 
+def measure_elementwise(threads: int = 1, repeats: int = 200) -> Link:
+    """Latency and bandwidth (bytes read + written per second) of an out-of-place fp32 exp with
+    ``threads`` threads: the median time on TINY elements is the latency, on BLOCK elements (a
+    (2, 8, 64, 64) score block, 256 KiB) latency + 8 BLOCK / bandwidth."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for n in (TINY, BLOCK):
+            x = torch.randn(n)
+            torch.exp(x)  # warm-up
+            runs = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                torch.exp(x)
+                runs.append(time.perf_counter() - start)
+            times.append(statistics.median(runs))
+    finally:
+        torch.set_num_threads(previous)
+    small, block = times
+    return Link(bandwidth=8 * BLOCK / max(block - small, 1e-9), latency=small)
+
+
 def measure_local(ranks_per_node: int = 2, threads_per_rank: int = 1, memory_gib: float = 4.0) -> Hardware:
     """The local cluster as :class:`Hardware`: one rank's GEMM rate (fp32, ``threads_per_rank``
     threads; achieved fraction 1 of it), the all-reduce link of ``ranks_per_node`` ranks for both
     links, no flash attention (the engine's CPU attention computes the whole s x s products)."""
     tflops = measure_gemm_tflops(torch.device("cpu"), size=512, min_time_s=0.1, threads=threads_per_rank)
     link = measure_link(ranks_per_node)
+    elementwise = measure_elementwise(threads_per_rank)
     return Hardware(
         name=f"local cluster: {ranks_per_node} ranks per node, {threads_per_rank} thread(s) each (measured)",
         gpus_per_node=ranks_per_node,
@@ -79,6 +108,7 @@ def measure_local(ranks_per_node: int = 2, threads_per_rank: int = 1, memory_gib
         inter_node=link,
         flash_attention=False,
         source="measured by planning/local_cluster.measure_local",
+        elementwise=elementwise,
     )
 
 

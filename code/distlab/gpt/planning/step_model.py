@@ -8,29 +8,40 @@ Per device, with W devices, m micro-batches per rank, p pipeline stages, v chunk
                    send/recv 1 (``distlab.comm.bench.BUS_FACTOR``); alpha and bandwidth those of
                    the link the group crosses: inside one node, or between nodes if its ranks
                    lie on more than one (Megatron's tp-cp-dp-pp rank order, ``layout.py``)
-    micro-batch    t_mb = compute / m + tp + pp + ep + exposed cp   (per micro-batch, this stage)
+    micro-batch    t_mb = compute / m + tp + pp + ep + exposed cp + unfused   (per micro-batch, this stage)
     pipeline       t_mb (m + (p - 1) / v): the bubble is (p - 1) / (v m + p - 1) of it   [convention:
                    the fraction of the whole pipelined time, not of the ideal compute]
     step           pipeline + exposed data-parallel communication
 
-Which communication is hidden: tensor-parallel (and expert all-to-all) collectives sit between
-GEMMs and are counted in full; context-parallel ring passes overlap their layer's compute
-(exposed: what exceeds it); pipeline sends are counted in full (2 v per micro-batch); the
+The FLOPs executed are the model FLOPs plus what ``engine_work.py`` counts: the experts' k MLPs per
+token and the router; without fused attention (this engine's ring) the ring's 2 cp + 1 blocks with
+the backward's recomputed scores in place of the counted attention. Hardware with an
+``elementwise`` figure (the local machine) also pays the ring's and the expert permutation's
+unfused passes, as bytes / bandwidth + kernels x latency.
+
+Which communication is hidden: tensor-parallel (and expert dispatch) collectives sit between
+GEMMs and are counted in full; a context-parallel K/V round is hidden under one ring step's
+attention work (the layer's ring work / 2 cp), the engine's gradient rounds are waited at once
+(a fused ring hides them like K/V); pipeline sends are counted in full (2 v per micro-batch); the
 gradient reduction (an all-reduce, or the distributed optimizer's reduce-scatter plus all-gather of
-the parameters) is hidden up to one micro-batch's backward (2/3 of t_mb) with
-``--overlap-grad-reduce``, else exposed; FSDP's gathers and reduce-scatters (once per micro-batch)
-overlap the whole compute. Per layer and micro-batch, activations ``S = b (s / cp) H`` x bytes::
+the parameters; experts over their own expert-data-parallel group) is hidden up to one
+micro-batch's backward (2/3 of t_mb) with ``--overlap-grad-reduce``, else exposed; FSDP's gathers
+and reduce-scatters (once per micro-batch) overlap the whole compute. Per layer and micro-batch,
+activations ``S = b (s / cp) H`` x bytes::
 
     tp, no SP    4 all-reduces of S (2 forward, 2 backward)
     tp, SP       6 all-gathers + 4 reduce-scatters of S (backward gathers the input again for the
                  weight gradient, as this engine and Megatron do); full recomputation reruns the
                  forward up to its last GEMM (PyTorch's checkpoint stops early): + 1 all-reduce,
                  or + 2 all-gathers + 1 reduce-scatter
-    cp           3 (cp - 1) sends of K and V blocks, 2 b (s / cp) g d x bytes each (forward K, V;
-                 backward K, V and their gradients)
-    ep           4 all-to-alls of k S (dispatch and combine, forward and backward)
+    tp, head     per micro-batch the embedding's and output layer's, the cross entropy's two
+                 (``engine_work.head_collectives``)
+    cp           3 cp - 2 rounds (``engine_work``: cp - 1 K/V forward, cp - 1 K/V and cp gradient
+                 accumulators backward), one send each
+    ep           the dispatcher's all-to-alls or all-gathers and reduce-scatters
+                 (``engine_work.dispatch_collectives``)
 
-Left out: the embedding and the loss head's collectives, the optimizer's own time, data loading.
+Left out: the sequence-parallel norms' gradient all-reduce, the optimizer's own time, data loading.
 
 On GPUs fused attention skips the masked half of causal attention (``flash_attention`` in the
 hardware file): the compute time counts Q K^T and the scores times V at half, and
@@ -47,6 +58,7 @@ from distlab.comm.bench import BUS_FACTOR
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.distributed.grad_buckets import default_bucket_size
 from distlab.gpt.layout import Layout
+from distlab.gpt.planning import engine_work as work
 from distlab.gpt.planning.hardware import Hardware, Link
 from distlab.gpt.training.flops import model_flops_per_iteration, recomputed_layers
 
@@ -96,6 +108,7 @@ class Cost:
     nbytes: float
     count: int
     link: Link
+    what: str = "layers"  # layers, head (tp), rounds (cp), dispatch (ep), gradients (dp)
 
     @property
     def seconds(self) -> float:
@@ -115,6 +128,7 @@ class StepPrediction:
     mfu_causal: float
     tokens_per_s_per_device: float
     costs: list[Cost] = field(default_factory=list)
+    unfused: float = 0.0  # memory-bound passes (ring attention, expert permutation), not communication
 
 
 def predict_step(
@@ -131,13 +145,18 @@ def predict_step(
     W, m, v, pp = layout.world_size, layout.num_micro_batches, layout.vp, layout.pp
     act = 2 if (args.bf16 or args.fp16) else 4
     F = model_flops_per_iteration(args, vocab_size)
-    executed = F - (attention_flops(args) / 2 if hw.flash_attention else 0.0)
+    fused = hw.flash_attention
+    executed = F + work.expert_extra_flops(args)
+    if fused:
+        executed -= attention_flops(args) / 2
+    elif layout.cp > 1:
+        executed += work.ring_attention_flops(args, layout.cp) - attention_flops(args)
     compute = executed / W / hw.achieved_flops  # per device, per step
     link = {d: group_link(layout.groups(d), hw) for d in ("tp", "cp", "dp", "pp")}
     layers = args.num_layers / pp  # this stage's blocks
     S = layout.micro_batch_size * (args.seq_length / layout.cp) * args.hidden_size * act
     full_recompute = recomputed_layers(args) > 0
-    costs = []
+    costs, unfused, exposed_cp = [], 0.0, 0.0
     if layout.tp > 1:
         per_layer = (
             [("all_gather", 6 + 2 * full_recompute), ("reduce_scatter", 4 + full_recompute)]
@@ -145,23 +164,44 @@ def predict_step(
             else [("all_reduce", 4 + full_recompute)]
         )
         costs += [Cost("tp", op, layout.tp, S, round(k * layers), link["tp"]) for op, k in per_layer]
+        costs += [
+            Cost("tp", op, layout.tp, b, k, link["tp"], "head")
+            for op, b, k in work.head_collectives(args, layout, S)
+        ]
     if layout.cp > 1:
-        kv = S * kv_width(args) / args.hidden_size  # K or V of b (s / cp) tokens
-        costs.append(Cost("cp", "send", 2, 2 * kv, round(3 * (layout.cp - 1) * layers), link["cp"]))
+        exposed_cp, ring = _ring(args, layout, hw, link["cp"], layers)
+        costs += ring
+        if hw.elementwise is not None and not fused:
+            d = args.kv_channels or args.hidden_size // args.num_attention_heads
+            c = args.seq_length / (2 * layout.cp)
+            heads = args.num_attention_heads / layout.tp
+            unfused += layers * work.ring_unfused_seconds(
+                layout.micro_batch_size, heads, c, d, layout.cp, hw.elementwise
+            )
     if pp > 1:
         p2p = S / (layout.tp if layout.sequence_parallel else 1)
         costs.append(Cost("pp", "send", 2, p2p, 2 * v, link["pp"]))
-    if args.num_experts is not None and layout.ep > 1:
-        ep_link = group_link(layout.ep_groups(), hw)
-        costs.append(
-            Cost("ep", "all_to_all", layout.ep, args.moe_router_topk * S, round(4 * layers), ep_link)
-        )
-    per_mb = {d: sum(c.seconds for c in costs if c.dim == d) for d in ("tp", "cp", "pp", "ep")}
+    if args.num_experts is not None:
+        ep_link = group_link(layout.tp_ep_groups(), hw)
+        G = layout.tp * layout.ep
+        costs += [
+            Cost("ep", op, G, b, round(k * layers), ep_link, "dispatch")
+            for op, b, k in work.dispatch_collectives(args, layout)
+        ]
+        if hw.elementwise is not None:
+            unfused += layers * work.permute_unfused_seconds(args, layout, hw.elementwise)
+    per_mb = {d: sum(c.seconds for c in costs if c.dim == d) for d in ("tp", "pp", "ep")}
+    per_mb["cp"] = exposed_cp
     compute_mb = compute / m
-    per_mb["cp"] = max(0.0, per_mb["cp"] - compute_mb)  # ring passes overlap their layers' compute
-    t_mb = compute_mb + sum(per_mb.values())
+    t_mb = compute_mb + sum(per_mb.values()) + unfused
     pipeline = t_mb * (m + (pp - 1) / v)
-    dp_costs = _data_parallel_costs(args, layout, hw, parameters_per_rank, distributed_optimizer, m)
+    experts = work.expert_parameters(args, layout)  # reduced over their own group, in one flat all-reduce
+    dp_costs = _data_parallel_costs(args, layout, hw, parameters_per_rank - experts, distributed_optimizer, m)
+    edp = layout.expert_data_size // layout.ep
+    if experts and edp > 1:
+        dp_costs.append(
+            Cost("dp", "all_reduce", edp, experts * 4, 1, group_link(layout.edp_groups(), hw), "experts")
+        )
     dp_time = sum(c.seconds for c in dp_costs)
     if args.use_torch_fsdp2:
         hidden = compute
@@ -181,7 +221,35 @@ def predict_step(
         mfu_causal=F_causal / (W * hw.peak_flops * step),
         tokens_per_s_per_device=tokens / step / W,
         costs=costs + dp_costs,
+        unfused=unfused * m,
     )
+
+
+def _ring(
+    args: PretrainArgs, layout: Layout, hw: Hardware, link: Link, layers: float
+) -> tuple[float, list[Cost]]:
+    """Exposed seconds of one micro-batch's ring rounds on this stage, and the rounds as costs: a
+    K/V round hidden under one ring step's attention (its blocks' FLOPs, and unfused passes where
+    the hardware has them), the engine's gradient rounds exposed (a fused ring hides them too)."""
+    cp, fused = layout.cp, hw.flash_attention
+    kv, grad = work.ring_round_bytes(args, layout, fused)
+    passes = layers + recomputed_layers(args) / layout.pp  # recomputed blocks run the forward again
+    rounds = [
+        Cost("cp", "send", 2, kv, round((cp - 1) * (passes + layers)), link, "rounds"),
+        Cost("cp", "send", 2, grad, round(cp * layers), link, "rounds"),
+    ]
+    c = args.seq_length / (2 * cp)
+    d = args.kv_channels or args.hidden_size // args.num_attention_heads
+    heads = args.num_attention_heads / layout.tp
+    layer_flops = 14 * work.ring_blocks(cp)[0] * layout.micro_batch_size * heads * d * c**2
+    step = layer_flops / hw.achieved_flops
+    if hw.elementwise is not None and not fused:
+        step += work.ring_unfused_seconds(layout.micro_batch_size, heads, c, d, cp, hw.elementwise)
+    step /= 2 * cp  # one ring step of the forward or the backward
+    kv_s, grad_s = (collective_seconds("send", 2, b, link) for b in (kv, grad))
+    grad_exposed = max(0.0, grad_s - step) if fused else grad_s
+    exposed = rounds[0].count * max(0.0, kv_s - step) + rounds[1].count * grad_exposed
+    return exposed, rounds
 
 
 def _data_parallel_costs(
