@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from distlab.gpt.arguments import parse_args
@@ -45,12 +47,14 @@ def test_a_group_spanning_two_nodes_uses_the_inter_node_link() -> None:
 
 def test_tensor_parallel_step_by_hand() -> None:
     """tp 2, one micro-batch of 1 x 32 tokens: compute F / 2 / 1e12 plus 4 all-reduces per layer
-    of S = b s H x 4 bytes, each 1e-5 + 2 (1/2) S / 100e9."""
+    of S = b s H x 4 bytes, each 1e-5 + 2 (1/2) S / 100e9; per micro-batch the embedding's and the
+    output layer's all-reduce of S and the cross entropy's of 32 and 2 x 32 fp32 values."""
     args = parse_args(f"{TINY} --global-batch-size 1 --vocab-size 128".split())
     layout = Layout(2, tp=2, global_batch_size=1)
     F = 24 * 32 * 64**2 * (1 + 32 / (6 * 64)) * (3 * 2) + 6 * 32 * 64 * 128
     S = 32 * 64 * 4
-    expected = F / 2 / 1e12 + 2 * 4 * (1e-5 + S / 100e9)
+    head = 2 * (1e-5 + S / 100e9) + (1e-5 + 32 * 4 / 100e9) + (1e-5 + 64 * 4 / 100e9)
+    expected = F / 2 / 1e12 + 2 * 4 * (1e-5 + S / 100e9) + head
     p = predict_step(args, layout, _hw(), 128, parameters_per_rank=1000)
     assert p.step == pytest.approx(expected)
     assert p.compute == pytest.approx(F / 2 / 1e12)
@@ -122,7 +126,8 @@ def test_the_tensor_parallel_counts_per_layer_are_what_a_dry_run_records(flags: 
             for c, n in summarize(dry_run(args, layout, 0).collectives)
             if c.group == "tp" and c.nbytes == S
         }
-        model = {c.op: c.count for c in predict_step(args, layout, _hw(), 256, 1000).costs if c.dim == "tp"}
+        costs = predict_step(args, layout, _hw(), 256, 1000).costs
+        model = {c.op: c.count for c in costs if c.dim == "tp" and c.what == "layers"}
         return found, model, layout.num_micro_batches
 
     (four, model, m), (eight, _, _) = run(4), run(8)
@@ -150,10 +155,70 @@ def test_the_gradient_bytes_reduced_over_dp_are_what_a_dry_run_records() -> None
     assert model[0].count == len(calls)  # --ddp-bucket-size 50000: as many buckets
 
 
-def test_context_parallel_sends_the_grouped_k_and_v() -> None:
-    """cp 2: 3 (cp - 1) sends per layer of K and V, 2 b (s / cp) g d x 4 bytes; 2 groups of 16 channels."""
+def test_context_parallel_rounds_by_hand() -> None:
+    """cp 2, 2 layers, one micro-batch of 1 x 32 tokens, 4 heads of 16 channels in 2 groups: the
+    engine repeats K/V to the 4 heads, so a round moves 2 x 1 x 16 x 4 x 16 fp32 values = 8192 bytes;
+    per layer 1 K/V round forward, 1 K/V and 2 gradient rounds backward. A fused ring (flash) sends
+    the 2 groups' K/V, 4096 bytes."""
     flags = f"{TINY} --global-batch-size 1 --vocab-size 128 --group-query-attention --num-query-groups 2"
     layout = Layout(2, cp=2, global_batch_size=1)
     p = predict_step(parse_args(flags.split()), layout, _hw(), 128, 1000)
-    [cp] = [c for c in p.costs if c.dim == "cp"]
-    assert (cp.op, cp.nbytes, cp.count) == ("send", 2 * (32 / 2) * (2 * 16) * 4, 3 * 2)
+    rounds = [(c.op, c.nbytes, c.count) for c in p.costs if c.dim == "cp"]
+    assert rounds == [("send", 8192, 2 * 2), ("send", 8192, 2 * 2)]
+    # gradient rounds waited at once: 4 x (1e-5 + 8192 / 100e9); K/V rounds hidden under a ring step
+    assert p.exposed["cp"] >= 4 * (1e-5 + 8192 / 100e9)
+    fused = dataclasses.replace(_hw(), flash_attention=True)
+    p = predict_step(parse_args(flags.split()), layout, fused, 128, 1000)
+    assert [c.nbytes for c in p.costs if c.dim == "cp"] == [4096, 4096]
+
+
+def test_the_ring_rounds_are_what_a_dry_run_records() -> None:
+    """A dry run of cp 2 (rank 0, 4 layers, grouped K/V) records one send per ring round: the model's
+    rounds, bytes and counts, over the micro-batches."""
+    from distlab.gpt.arguments import validate_args
+    from distlab.gpt.planning.collectives import summarize
+    from distlab.gpt.planning.dry_run import dry_run
+
+    argv = (
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--global-batch-size 4 --lr 1e-3 --train-iters 2 --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 200 --context-parallel-size 2 --group-query-attention --num-query-groups 2"
+    ).split()
+    args = parse_args(argv)
+    layout = validate_args(args, 2)
+    sends = {c.nbytes: n for c, n in summarize(dry_run(args, layout, 0).collectives) if c.op == "send"}
+    model: dict[float, int] = {}
+    for c in predict_step(args, layout, _hw(), 256, 1000).costs:
+        if c.dim == "cp":
+            model[c.nbytes] = model.get(c.nbytes, 0) + c.count * layout.num_micro_batches
+    assert sends == model
+
+
+def test_the_tensor_parallel_step_is_what_a_dry_run_records() -> None:
+    """Every tp collective of a dry run's step (tp 2 + SP, 2 micro-batches) is in the model with
+    its bytes and count, blocks and head together, except the two the model leaves out: the
+    gradient norm's scalar and the sequence-parallel parameters' gradient all-reduce."""
+    from distlab.gpt.arguments import validate_args
+    from distlab.gpt.planning.collectives import summarize
+    from distlab.gpt.planning.dry_run import dry_run
+
+    argv = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--global-batch-size 4 --lr 1e-3 --train-iters 2 --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 200 --tensor-model-parallel-size 2 --sequence-parallel"
+    ).split()
+    args = parse_args(argv)
+    layout = validate_args(args, 2)
+    recorded = {
+        (c.op, c.nbytes): n for c, n in summarize(dry_run(args, layout, 0).collectives) if c.group == "tp"
+    }
+    model: dict = {}
+    for c in predict_step(args, layout, _hw(), 256, 1000).costs:
+        if c.dim == "tp":
+            model[(c.op, c.nbytes)] = model.get((c.op, c.nbytes), 0) + c.count * layout.num_micro_batches
+    left_out = {key: n for key, n in recorded.items() if key not in model}
+    assert {key: recorded[key] for key in model} == model
+    # sequence-parallel parameters, fp32: positions 32 x 64, per layer two LayerNorms (2 x 2 x 64)
+    # and the two row-parallel biases (2 x 64), the final LayerNorm (2 x 64)
+    sp_params = 32 * 64 + 2 * 6 * 64 + 2 * 64
+    assert left_out == {("all_reduce", 4): 1, ("all_reduce", 4 * sp_params): 1}
