@@ -97,7 +97,7 @@ def run_local(iters: int) -> None:
     print(f"> calibration, {name}: measured {1000 * measured:.1f} ms, so the step reaches {100 * hw.achieved_fraction:.0f}% "
           "of the GEMM rate (used below)")  # fmt: skip
     print(
-        f"{'layout':26s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}  predicted: compute, unfused, exposed ms"
+        f"{'layout':26s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}  predicted ms: compute, unfused, optimizer; exposed"
     )
     errors = []
     for name, flags in layouts[1:]:
@@ -106,7 +106,7 @@ def run_local(iters: int) -> None:
         predicted, measured = p.step, measured_step(argv, 2)
         errors.append(abs(predicted - measured) / measured)
         print(f"{name:26s} {1000 * predicted:13.1f} {1000 * measured:12.1f} {100 * (predicted - measured) / measured:+6.1f}%  "
-              f"{1000 * p.compute:.1f}, {1000 * p.unfused:.1f}, {where(p)}", flush=True)  # fmt: skip
+              f"{1000 * p.compute:.1f}, {1000 * p.unfused:.1f}, {1000 * p.optimizer:.1f}; {where(p)}", flush=True)  # fmt: skip
     print("> load average at the end: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg()))
     print(
         f"> median absolute error over {len(errors)} layouts: {100 * statistics.median(errors):.1f}% (target 15%)"

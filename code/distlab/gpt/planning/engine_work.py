@@ -191,3 +191,20 @@ def expert_parameters(args: PretrainArgs, layout: Layout) -> float:
     )
     per_expert = g * F * H + H * F + (g * F + H if args.add_bias_linear else 0)
     return args.num_layers / layout.pp * args.num_experts / layout.ep * per_expert
+
+
+#: Bytes per parameter of a step's update, fp32 (``distributed/gradients.py``, ``optimizer/optimizer.py``):
+#: the norm reads the gradient (4), clipping scales it (8), fused AdamW reads the parameter, the
+#: gradient and both moments and writes the parameter and the moments (28).
+UPDATE_BYTES = 40
+#: Per dense parameter when dp x cp > 1 (``grad_buckets.py``): its gradient concatenated into the
+#: flat bucket (8), the sum divided by dp x cp (8), copied back (8).
+BUCKET_BYTES = 24
+
+
+def optimizer_seconds(updated: float, bucketed: float, elementwise: Link) -> float:
+    """The step's memory-bound work after backward, per rank: ``updated`` parameters normed,
+    clipped and updated (the stage's, or the distributed optimizer's shard of them), ``bucketed``
+    ones copied through the gradient buckets. Per-kernel latencies (a few kernels per tensor) and
+    half-precision runs' extra copies are left out."""
+    return (UPDATE_BYTES * updated + BUCKET_BYTES * bucketed) / elementwise.bandwidth

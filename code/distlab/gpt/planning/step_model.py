@@ -11,13 +11,14 @@ Per device, with W devices, m micro-batches per rank, p pipeline stages, v chunk
     micro-batch    t_mb = compute / m + tp + pp + ep + exposed cp + unfused   (per micro-batch, this stage)
     pipeline       t_mb (m + (p - 1) / v): the bubble is (p - 1) / (v m + p - 1) of it   [convention:
                    the fraction of the whole pipelined time, not of the ideal compute]
-    step           pipeline + exposed data-parallel communication
+    step           pipeline + exposed data-parallel communication + optimizer
 
 The FLOPs executed are the model FLOPs plus what ``engine_work.py`` counts: the experts' k MLPs per
 token and the router; without fused attention (this engine's ring) the ring's 2 cp + 1 blocks with
 the backward's recomputed scores in place of the counted attention. Hardware with an
 ``elementwise`` figure (the local machine) also pays the ring's and the expert permutation's
-unfused passes, as bytes / bandwidth + kernels x latency.
+unfused passes, as bytes / bandwidth + kernels x latency, and the update's (gradient norm,
+clipping, AdamW, the buckets' copies: ``engine_work.optimizer_seconds``).
 
 Which communication is hidden: tensor-parallel (and expert dispatch) collectives sit between
 GEMMs and are counted in full; a context-parallel K/V round is hidden under one ring step's
@@ -41,7 +42,7 @@ activations ``S = b (s / cp) H`` x bytes::
     ep           the dispatcher's all-to-alls or all-gathers and reduce-scatters
                  (``engine_work.dispatch_collectives``)
 
-Left out: the sequence-parallel norms' gradient all-reduce, the optimizer's own time, data loading.
+Left out: the sequence-parallel norms' gradient all-reduce, the gradient norm's scalar, data loading.
 
 On GPUs fused attention skips the masked half of causal attention (``flash_attention`` in the
 hardware file): the compute time counts Q K^T and the scores times V at half, and
@@ -129,6 +130,7 @@ class StepPrediction:
     tokens_per_s_per_device: float
     costs: list[Cost] = field(default_factory=list)
     unfused: float = 0.0  # memory-bound passes (ring attention, expert permutation), not communication
+    optimizer: float = 0.0  # the update's memory-bound passes (norm, clipping, AdamW, buckets)
 
 
 def predict_step(
@@ -208,7 +210,13 @@ def predict_step(
     else:
         hidden = 2 / 3 * t_mb if args.overlap_grad_reduce else 0.0
     exposed_dp = max(0.0, dp_time - hidden)
-    step = pipeline + exposed_dp
+    optimizer = 0.0
+    if hw.elementwise is not None:  # the update's memory-bound passes (GPU files: not modelled)
+        d = layout.dp * layout.cp
+        dense = parameters_per_rank - experts
+        updated = dense / d + experts / max(1, edp) if distributed_optimizer else parameters_per_rank
+        optimizer = work.optimizer_seconds(updated, dense if d > 1 else 0.0, hw.elementwise)
+    step = pipeline + exposed_dp + optimizer
     tokens = args.global_batch_size * args.seq_length
     F_causal = F - attention_flops(args) / 2
     return StepPrediction(
@@ -222,6 +230,7 @@ def predict_step(
         tokens_per_s_per_device=tokens / step / W,
         costs=costs + dp_costs,
         unfused=unfused * m,
+        optimizer=optimizer,
     )
 
 
