@@ -63,6 +63,11 @@ PERMUTE = 26
 PERMUTE_KERNELS = 50
 
 
+def act_bytes(args: PretrainArgs) -> int:
+    """Bytes of an activation: 2 in bf16 or fp16, else 4."""
+    return 2 if (args.bf16 or args.fp16) else 4
+
+
 def ring_blocks(cp: int) -> tuple[int, int]:
     """(blocks, diagonal blocks) of c x c scores one rank computes per pass: the pairs b <= a of
     its chunks against each rank's (``ring_attention._pairs``): 2 cp + 1, two of them diagonal."""
@@ -105,7 +110,7 @@ def ring_round_bytes(args: PretrainArgs, layout: Layout, fused: bool) -> tuple[f
     """Bytes of one K/V round and of one gradient round: 2 b (s / cp) (heads / tp) d elements,
     heads n (the engine repeats grouped K/V) or g (a fused ring); gradients fp32 (the engine's
     accumulator) or the run's dtype (fused)."""
-    act = 2 if (args.bf16 or args.fp16) else 4
+    act = act_bytes(args)
     d = args.kv_channels or args.hidden_size // args.num_attention_heads
     heads = args.num_attention_heads
     if fused and args.group_query_attention:
@@ -135,7 +140,7 @@ def dispatch_collectives(args: PretrainArgs, layout: Layout) -> list[tuple[str, 
     G = layout.tp * layout.ep
     if args.num_experts is None or G == 1:
         return []
-    act = 2 if (args.bf16 or args.fp16) else 4
+    act = act_bytes(args)
     sp = layout.tp if layout.sequence_parallel else 1
     N = layout.micro_batch_size * args.seq_length / layout.cp / sp  # this rank's tokens
     E, H = args.num_experts, args.hidden_size
@@ -157,7 +162,7 @@ def permute_unfused_seconds(args: PretrainArgs, layout: Layout, elementwise: Lin
     :data:`PERMUTE` passes over the R = k N routed rows of H values, :data:`PERMUTE_KERNELS` kernels."""
     if args.num_experts is None:
         return 0.0
-    act = 2 if (args.bf16 or args.fp16) else 4
+    act = act_bytes(args)
     sp = layout.tp if layout.sequence_parallel else 1
     R = args.moe_router_topk * layout.micro_batch_size * args.seq_length / layout.cp / sp
     return (

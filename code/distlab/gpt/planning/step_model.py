@@ -145,7 +145,7 @@ def predict_step(
     """Predict one step of ``args`` on ``layout`` over ``hw`` (see the module docstring);
     ``parameters_per_rank``: the largest stage's parameters on one rank (its gradients are reduced)."""
     W, m, v, pp = layout.world_size, layout.num_micro_batches, layout.vp, layout.pp
-    act = 2 if (args.bf16 or args.fp16) else 4
+    act = work.act_bytes(args)
     F = model_flops_per_iteration(args, vocab_size)
     fused = hw.flash_attention
     executed = F + work.expert_extra_flops(args)
