@@ -171,15 +171,8 @@ def predict_step(
             for op, b, k in work.head_collectives(args, layout, S)
         ]
     if layout.cp > 1:
-        exposed_cp, ring = _ring(args, layout, hw, link["cp"], layers)
+        exposed_cp, ring, unfused = _ring(args, layout, hw, link["cp"], layers)
         costs += ring
-        if hw.elementwise is not None and not fused:
-            d = args.kv_channels or args.hidden_size // args.num_attention_heads
-            c = args.seq_length / (2 * layout.cp)
-            heads = args.num_attention_heads / layout.tp
-            unfused += layers * work.ring_unfused_seconds(
-                layout.micro_batch_size, heads, c, d, layout.cp, hw.elementwise
-            )
     if pp > 1:
         p2p = S / (layout.tp if layout.sequence_parallel else 1)
         costs.append(Cost("pp", "send", 2, p2p, 2 * v, link["pp"]))
@@ -236,10 +229,11 @@ def predict_step(
 
 def _ring(
     args: PretrainArgs, layout: Layout, hw: Hardware, link: Link, layers: float
-) -> tuple[float, list[Cost]]:
-    """Exposed seconds of one micro-batch's ring rounds on this stage, and the rounds as costs: a
-    K/V round hidden under one ring step's attention (its blocks' FLOPs, and unfused passes where
-    the hardware has them), the engine's gradient rounds exposed (a fused ring hides them too)."""
+) -> tuple[float, list[Cost], float]:
+    """One micro-batch's ring on this stage: the rounds' exposed seconds, the rounds as costs, and
+    the engine's unfused passes (hardware with an elementwise figure, no fused attention). A K/V
+    round is hidden under one ring step's attention (its blocks' FLOPs and unfused passes); the
+    engine's gradient rounds are exposed (a fused ring hides them too)."""
     cp, fused = layout.cp, hw.flash_attention
     kv, grad = work.ring_round_bytes(args, layout, fused)
     passes = layers + recomputed_layers(args) / layout.pp  # recomputed blocks run the forward again
@@ -250,15 +244,15 @@ def _ring(
     c = args.seq_length / (2 * cp)
     d = args.kv_channels or args.hidden_size // args.num_attention_heads
     heads = args.num_attention_heads / layout.tp
-    layer_flops = 14 * work.ring_blocks(cp)[0] * layout.micro_batch_size * heads * d * c**2
-    step = layer_flops / hw.achieved_flops
+    unfused = 0.0
     if hw.elementwise is not None and not fused:
-        step += work.ring_unfused_seconds(layout.micro_batch_size, heads, c, d, cp, hw.elementwise)
-    step /= 2 * cp  # one ring step of the forward or the backward
+        unfused = work.ring_unfused_seconds(layout.micro_batch_size, heads, c, d, cp, hw.elementwise)
+    layer_flops = 14 * work.ring_blocks(cp)[0] * layout.micro_batch_size * heads * d * c**2
+    step = (layer_flops / hw.achieved_flops + unfused) / (2 * cp)  # one ring step, forward or backward
     kv_s, grad_s = (collective_seconds("send", 2, b, link) for b in (kv, grad))
     grad_exposed = max(0.0, grad_s - step) if fused else grad_s
     exposed = rounds[0].count * max(0.0, kv_s - step) + rounds[1].count * grad_exposed
-    return exposed, rounds
+    return exposed, rounds, layers * unfused
 
 
 def _data_parallel_costs(
