@@ -96,7 +96,8 @@ def _state_dict(
     and Adam's step count would then differ from the uninterrupted run's."""
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.buffer.finish_param_sync()
-    tp, tp_rank = state.tp, state.tp_rank
+    # the hand-written tp's shards (DTensor TP's model is built whole: its E and output layer too)
+    tp, tp_rank = (state.tp, state.tp_rank) if getattr(model, "tp_group", None) is not None else (1, 0)
     state_dict = {
         "model": tp_chunks.place_model(get_model_state_dict(model, options=OPTIONS), model, tp, tp_rank)
     }
