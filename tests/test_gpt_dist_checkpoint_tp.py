@@ -2,11 +2,13 @@
 (``checkpointing/tp_chunks.py``), on the Llama architecture (RMSNorm, RoPE, SwiGLU, GQA with 2
 groups, untied output layer, no biases).
 
-- tp 2 on 2 gloo ranks (a random model's shards, one Adam step) saved, then loaded into one
+- tp 2 on 2 gloo ranks (a random Llama's shards, and a Llama-MoE's with 4 SwiGLU experts, one Adam
+  step) saved, then loaded into one
   process at tp 1: every weight and Adam moment equal to the bit to the tp ranks' parts put back
   together (``unshard``; SwiGLU's fc1 by its halves); a run that pads the vocabulary otherwise is
   refused with both sizes; ``convert_checkpoint.py --to hf`` reads the same checkpoint and
-  transformers' ``LlamaForCausalLM`` computes the model's logits (within 1e-5, fp32).
+  transformers' ``LlamaForCausalLM`` (``MixtralForCausalLM``) computes the model's logits (within
+  1e-5, fp32).
 - ``pretrain`` at tp 2 x cp 2 on 4 ranks, fp32, with AdamW and with the distributed optimizer and
   both overlaps (Megatron's Llama 3 script's): saved with ``--async-save`` (DCP's stager keeps the
   chunks' places) at iteration 3 and resumed there at tp 2 x cp 2, the losses and gradient norms
@@ -38,7 +40,7 @@ from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.gpt.transformer.model import GPTModel
 from tests.conftest import TINY_GPT_ARGV, entry_script, run_gloo
 from tests.test_gpt_dist_checkpoint import _resume_from_3
-from tests.test_gpt_hf_llama import LLAMA_ARGS, VOCAB, course_model, tokens
+from tests.test_gpt_hf_llama import FAMILIES, LLAMA_ARGS, VOCAB, course_model, tokens
 
 transformers = pytest.importorskip("transformers")
 convert_checkpoint = entry_script("convert_checkpoint")
@@ -54,9 +56,11 @@ DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-pa
            "--ddp-bucket-size", "3000"]  # fmt: skip
 
 
-def _args(tp: int, root: str, **more) -> PretrainArgs:
-    return PretrainArgs(**LLAMA_ARGS, untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp,
-                        save=root, load=root, ckpt_format="torch_dist", lr=0.1, **more)  # fmt: skip
+def _args(family: str, tp: int, root: str, **more) -> PretrainArgs:
+    """V = 128: padded so by --make-vocab-size-divisible-by 64 at tp 2 and 128 at tp 1 (the default)."""
+    return PretrainArgs(**LLAMA_ARGS, **FAMILIES[family][1], untie_embeddings_and_output_weights=True,
+                        tensor_model_parallel_size=tp, save=root, load=root, ckpt_format="torch_dist", lr=0.1,
+                        **more)  # fmt: skip
 
 
 def _tags(model: GPTModel) -> dict[str, tuple[int | None, int]]:
@@ -66,13 +70,13 @@ def _tags(model: GPTModel) -> dict[str, tuple[int | None, int]]:
     }
 
 
-def _tp2_scenario(ctx: DistContext, root: str) -> None:
-    """tp 2: the random one-process Llama's shards, one Adam step on whole gradients' shards, saved;
-    each rank's parameters and moments dumped beside."""
-    state = ParallelState.build(Layout(2, tp=2))
-    args = _args(2, root)
-    whole = course_model("llama")[0].state_dict()
-    model = GPTModel(model_config(args, VOCAB), state)
+def _tp2_scenario(ctx: DistContext, root: str, family: str) -> None:
+    """tp 2: the random one-process Llama's (Llama-MoE's, with SP as MoE with tp needs) shards, one
+    Adam step on whole gradients' shards, saved; each rank's parameters and moments dumped beside."""
+    state = ParallelState.build(Layout(2, tp=2, sequence_parallel=family == "mixtral"))
+    args = _args(family, 2, root, make_vocab_size_divisible_by=64, sequence_parallel=family == "mixtral")
+    whole = course_model(family)[0].state_dict()
+    model = GPTModel(model_config(args, VOCAB, sequence_parallel=family == "mixtral"), state)
     with torch.no_grad():
         for name, p in model.named_parameters():
             dim, stride = _tags(model)[name]
@@ -88,15 +92,16 @@ def _tp2_scenario(ctx: DistContext, root: str) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tp2")
-    run_gloo(_tp2_scenario, 2, str(root))
-    return root
+@pytest.fixture(scope="module", params=["llama", "mixtral"])
+def tp2(request, tmp_path_factory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp(request.param)
+    run_gloo(_tp2_scenario, 2, str(root), request.param)
+    return root, request.param
 
 
 def test_a_tp2_checkpoint_loads_at_tp1_equal_to_its_shards(tp2) -> None:
-    args = _args(1, str(tp2))
+    tp2, family = tp2
+    args = _args(family, 1, str(tp2))
     model = GPTModel(model_config(args, VOCAB))
     optimizer = build_optimizer(model, args)
     assert dist_checkpointing.load_checkpoint(args, ParallelState(Layout(1), rank=0), model, optimizer) == (
@@ -116,14 +121,18 @@ def test_a_tp2_checkpoint_loads_at_tp1_equal_to_its_shards(tp2) -> None:
             assert torch.equal(optimizer.state[p][key], want), f"{name} {key}"
         assert optimizer.state[p]["step"] == 1
     split = [name for name, (dim, _) in tags.items() if dim is not None]
-    assert len(split) == 2 + 4 * 2 and tags["layers.0.mlp.fc1.weight"] == (0, 2)  # E, output, 4 per block
+    experts = 4 if family == "mixtral" else 1  # SwiGLU's fc1 and fc2 in each expert
+    assert len(split) == 2 + (2 + 2 * experts) * 2  # E, output; qkv, proj, fc1s and fc2s of both blocks
+    assert sum(stride == 2 for _, stride in tags.values()) == experts * 2
 
 
 def test_a_vocabulary_padded_otherwise_is_refused(tp2) -> None:
-    args = _args(1, str(tp2), make_vocab_size_divisible_by=64)
+    tp2, family = tp2
+    args = _args(family, 1, str(tp2), make_vocab_size_divisible_by=64)
     model = GPTModel(model_config(args, 64))
     with pytest.raises(
-        ValueError, match="holds a padded vocabulary of 128 rows .* pads to 64 .*divisible-by 64 x tp 1"
+        ValueError,
+        match=r"holds a padded vocabulary of 128 rows .* pads to 64 .*divisible-by 64 x tp 1\): .*give --make-vocab-size-divisible-by 128$",
     ):
         dist_checkpointing.load_checkpoint(
             args, ParallelState(Layout(1), rank=0), model, build_optimizer(model, args)
@@ -131,10 +140,11 @@ def test_a_vocabulary_padded_otherwise_is_refused(tp2) -> None:
 
 
 def test_convert_to_hf_reads_a_tp2_torch_dist_checkpoint(tp2, tmp_path) -> None:
+    tp2, family = tp2
     assert convert_checkpoint.main(["--to", "hf", "--load", str(tp2), "--save", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf).__name__ == "LlamaForCausalLM"
-    args = _args(1, str(tp2))
+    assert type(hf).__name__ == FAMILIES[family][0].hf_class
+    args = _args(family, 1, str(tp2))
     model = GPTModel(model_config(args, VOCAB))
     dist_checkpointing.load_checkpoint(
         args, ParallelState(Layout(1), rank=0), model, build_optimizer(model, args)
