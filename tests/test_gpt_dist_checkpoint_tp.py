@@ -2,11 +2,10 @@
 (``checkpointing/tp_chunks.py``), on the Llama architecture (RMSNorm, RoPE, SwiGLU, GQA with 2
 groups, untied output layer, no biases).
 
-- tp 2 on 2 gloo ranks (a random Llama's shards, and a Llama-MoE's with 4 SwiGLU experts, one Adam
-  step) saved, then loaded into one
-  process at tp 1: every weight and Adam moment equal to the bit to the tp ranks' parts put back
-  together (``unshard``; SwiGLU's fc1 by its halves); a run that pads the vocabulary otherwise is
-  refused with both sizes; ``convert_checkpoint.py --to hf`` reads the same checkpoint and
+- tp 2 on 2 gloo ranks (a random Llama's shards, and a Llama-MoE's with 4 SwiGLU experts; one Adam
+  step) saved, then loaded into one process at tp 1: every weight and Adam moment equal to the bit
+  to the tp ranks' parts put back together (``unshard``; SwiGLU's fc1 by its halves); a run that
+  pads the vocabulary otherwise is refused with both sizes; ``convert_checkpoint.py --to hf`` reads the same checkpoint and
   transformers' ``LlamaForCausalLM`` (``MixtralForCausalLM``) computes the model's logits (within
   1e-5, fp32).
 - ``pretrain`` at tp 2 x cp 2 on 4 ranks, fp32, with AdamW and with the distributed optimizer and
