@@ -332,8 +332,6 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             (None, True, context_dropout_error(layout.cp, args.attention_dropout)),  # the layout's rule
             ("--ckpt-format torch_dist", args.ckpt_format == "torch_dist" and bool(args.save or args.load),
              "cp ranks hold the same weights under the same names; use --ckpt-format torch"),
-            ("--sequence-parallel", layout.sequence_parallel,
-             "not combined with ring attention in this engine; drop one"),
         )
         if given and why
     ]  # fmt: skip
