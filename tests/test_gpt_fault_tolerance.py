@@ -51,13 +51,25 @@ TINY = (
 PRETRAIN = str(REPO_ROOT / "code" / "pretrain_gpt.py")
 
 #: pretrain_gpt.py, where the rank whose RANK is ACT_RANK does ACT ("usr1": SIGUSR1 to itself;
-#: "usr1-parent": to torchrun; "stop": SIGSTOP to itself) after iteration ACT_AT and its save.
+#: "usr1-parent": to torchrun; "stop": SIGSTOP to itself) after iteration ACT_AT and its save, or
+#: ("slow-build") takes ACT_AT seconds longer than the others to build its run.
 WORKER = """
-import os, runpy, signal, sys
+import os, runpy, signal, sys, time
 
 script = sys.argv[1]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-if os.environ.get("RANK") == os.environ["ACT_RANK"]:
+if os.environ.get("RANK") == os.environ["ACT_RANK"] and os.environ["ACT"] == "slow-build":
+    import distlab.gpt.pretrain as pretrain
+
+    build_run = pretrain.build_run
+
+    def slow_build_run(*args):
+        run = build_run(*args)
+        time.sleep(float(os.environ["ACT_AT"]))
+        return run
+
+    pretrain.build_run = slow_build_run
+elif os.environ.get("RANK") == os.environ["ACT_RANK"]:
     import distlab.gpt.pretrain as pretrain
 
     maybe_save = pretrain.maybe_save
@@ -173,6 +185,17 @@ def test_sigusr1_to_torchrun_is_forwarded_and_the_run_resumes(data, uninterrupte
     assert 3 <= stop["iteration"] < TRAIN_ITERS, log[-4000:]
     assert (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text() == str(stop["iteration"])
     resume_and_compare(tmp_path, data, ckpt, stop["iteration"], uninterrupted)
+
+
+def test_a_slow_start_is_not_a_hang(data, tmp_path):
+    """One rank builds its run 10 s after the other, with a 6 s --distributed-timeout-minutes:
+    the first collective after building waits for it (the groups' start-up timeout,
+    ``STARTUP_TIMEOUT_S``), and the run trains to the end. Under load a rank's start once took
+    12 s longer than another's, and the all-gather after building timed out as a hang."""
+    argv = [*TINY, *data, "--distributed-timeout-minutes", "0.1"]
+    log, rc = torchrun(tmp_path, argv, ACT_RANK="1", ACT_AT="10", ACT="slow-build")
+    assert rc == 0 and "> hang" not in log, log[-4000:]
+    assert sorted(losses(log)) == list(range(1, TRAIN_ITERS + 1)), log[-4000:]
 
 
 @pytest.mark.parametrize("frozen", [0, 3])
