@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -376,6 +377,30 @@ def test_kill_node_kills_every_process_of_the_job_but_its_own_step(tmp_path, mon
         for proc in (agent, rank, own):
             proc.kill()
             proc.wait()
+
+
+THROTTLED_COUNT = "import time\nn, t = 0, time.time()\nwhile time.time() - t < 4: n += 1\nprint(n)"
+
+
+def test_a_throttled_process_gets_its_share_on_a_busy_machine():
+    """``fault_agent throttle --share 0.8`` beside 4 busy processes (2 cores oversubscribed, as a
+    loaded classroom machine): a counting process makes about 0.2 of the progress of its unthrottled
+    twin in the same 4 s (0.19 to 0.28 measured). Plain 20 ms sleeps gave 0.48 to 0.88 there."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        target, twin = (
+            subprocess.Popen([sys.executable, "-c", THROTTLED_COUNT], stdout=subprocess.PIPE, text=True)
+            for _ in range(2)
+        )
+        throttle = threading.Thread(target=fault_agent.stop_for_share, args=(target.pid, 0.8, 0.2))
+        throttle.start()
+        ratio = int(target.communicate(timeout=60)[0]) / int(twin.communicate(timeout=60)[0])
+        throttle.join(timeout=10)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert ratio < 0.4, f"the throttled process made {ratio:.2f} of its twin's progress (0.2 expected)"
 
 
 def test_the_nodes_side_of_faults_starts_without_torch() -> None:
