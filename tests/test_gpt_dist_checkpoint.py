@@ -214,8 +214,18 @@ def test_refusals_name_the_fix(runs, data, tmp_path) -> None:
     msg = _errors(data, "--async-save", "--save", str(tmp_path))
     assert "--async-save with --ckpt-format torch: " in msg and "add --ckpt-format torch_dist" in msg
     assert "--async-save was given without --save DIR" in _errors(data, *DIST, "--async-save")
-    msg = _errors(data, *DIST, "--save", str(tmp_path), "--tensor-model-parallel-size", "2")
-    assert "--ckpt-format torch_dist with --tensor-model-parallel-size 2: " in msg
+    tp2 = [
+        *TINY,
+        *data,
+        "--train-iters",
+        "2",
+        *DIST,
+        "--save",
+        str(tmp_path),
+        "--tensor-model-parallel-size",
+        "2",
+    ]
+    validate_args(parse_args(tp2), 2)  # the hand-written tp's shards placed in whole tensors (tp_chunks)
     # a folder of the other format, named with the flag that reads it
     single = ParallelState(Layout(1), rank=0)
     dist_ckpt, _ = runs["plain"]

@@ -2,7 +2,7 @@
 a run saved with dp 4 loaded with dp 2), and pipeline and context parallelism.
 
 For each of ``--ckpt-format torch`` (the shards gathered whole on dp rank 0) and ``torch_dist``
-(each rank's shard a ``Shard(0)`` DTensor of its bucket): an uninterrupted fp32 run of 6
+(each rank's shard its chunk of its bucket, the bucket one row of a (tp, length) tensor): an uninterrupted fp32 run of 6
 iterations on 4 gloo ranks (dp 4, both overlaps, small buckets) saves at 3 and 6; resumed from 3
 with dp 4 it gives the same losses to the bit; resumed with dp 2 (2 micro-batches per rank, the
 same global batch of 8) within 1e-5 (the sums run in another order). Loading it without the flag
@@ -68,8 +68,8 @@ def test_resume_exactly_and_with_half_the_data_parallel_ranks(data, tmp_path, fm
     if fmt == "torch_dist":  # each of the 4 ranks wrote its own chunk of every bucket's moments
         folder = str(tmp_path / "full" / "iter_0000003")
         chunks = FileSystemReader(folder).read_metadata().state_dict_metadata
-        chunks = chunks["optimizer.distrib.pp0.bucket0.exp_avg"].chunks
-        assert sorted(c.offsets[0] for c in chunks) == [i * chunks[0].sizes[0] for i in range(4)]
+        chunks = chunks["optimizer.distrib.pp0.bucket0.exp_avg"].chunks  # row 0 of (tp, length): tp 1
+        assert sorted(tuple(c.offsets) for c in chunks) == [(0, i * chunks[0].sizes[1]) for i in range(4)]
     plain = [*TINY, *data, *STEPS, "--ckpt-format", fmt]
     with pytest.raises(
         Exception, match="written with --use-distributed-optimizer|holds a distributed optimizer"

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,13 +52,25 @@ TINY = (
 PRETRAIN = str(REPO_ROOT / "code" / "pretrain_gpt.py")
 
 #: pretrain_gpt.py, where the rank whose RANK is ACT_RANK does ACT ("usr1": SIGUSR1 to itself;
-#: "usr1-parent": to torchrun; "stop": SIGSTOP to itself) after iteration ACT_AT and its save.
+#: "usr1-parent": to torchrun; "stop": SIGSTOP to itself) after iteration ACT_AT and its save, or
+#: ("slow-build") takes ACT_AT seconds longer than the others to build its run.
 WORKER = """
-import os, runpy, signal, sys
+import os, runpy, signal, sys, time
 
 script = sys.argv[1]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-if os.environ.get("RANK") == os.environ["ACT_RANK"]:
+if os.environ.get("RANK") == os.environ["ACT_RANK"] and os.environ["ACT"] == "slow-build":
+    import distlab.gpt.pretrain as pretrain
+
+    build_run = pretrain.build_run
+
+    def slow_build_run(*args):
+        run = build_run(*args)
+        time.sleep(float(os.environ["ACT_AT"]))
+        return run
+
+    pretrain.build_run = slow_build_run
+elif os.environ.get("RANK") == os.environ["ACT_RANK"]:
     import distlab.gpt.pretrain as pretrain
 
     maybe_save = pretrain.maybe_save
@@ -173,6 +186,17 @@ def test_sigusr1_to_torchrun_is_forwarded_and_the_run_resumes(data, uninterrupte
     assert 3 <= stop["iteration"] < TRAIN_ITERS, log[-4000:]
     assert (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text() == str(stop["iteration"])
     resume_and_compare(tmp_path, data, ckpt, stop["iteration"], uninterrupted)
+
+
+def test_a_slow_start_is_not_a_hang(data, tmp_path):
+    """One rank builds its run 10 s after the other, with a 6 s --distributed-timeout-minutes:
+    the first collective after building waits for it (the groups' start-up timeout,
+    ``STARTUP_TIMEOUT_S``), and the run trains to the end. Under load a rank's start once took
+    12 s longer than another's, and the all-gather after building timed out as a hang."""
+    argv = [*TINY, *data, "--distributed-timeout-minutes", "0.1"]
+    log, rc = torchrun(tmp_path, argv, ACT_RANK="1", ACT_AT="10", ACT="slow-build")
+    assert rc == 0 and "> hang" not in log, log[-4000:]
+    assert sorted(losses(log)) == list(range(1, TRAIN_ITERS + 1)), log[-4000:]
 
 
 @pytest.mark.parametrize("frozen", [0, 3])
@@ -353,6 +377,30 @@ def test_kill_node_kills_every_process_of_the_job_but_its_own_step(tmp_path, mon
         for proc in (agent, rank, own):
             proc.kill()
             proc.wait()
+
+
+THROTTLED_COUNT = "import time\nn, t = 0, time.time()\nwhile time.time() - t < 4: n += 1\nprint(n)"
+
+
+def test_a_throttled_process_gets_its_share_on_a_busy_machine():
+    """``fault_agent throttle --share 0.8`` beside 4 busy processes (2 cores oversubscribed, as a
+    loaded classroom machine): a counting process makes about 0.2 of the progress of its unthrottled
+    twin in the same 4 s (0.19 to 0.28 measured). Plain 20 ms sleeps gave 0.48 to 0.88 there."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        target, twin = (
+            subprocess.Popen([sys.executable, "-c", THROTTLED_COUNT], stdout=subprocess.PIPE, text=True)
+            for _ in range(2)
+        )
+        throttle = threading.Thread(target=fault_agent.stop_for_share, args=(target.pid, 0.8, 0.2))
+        throttle.start()
+        ratio = int(target.communicate(timeout=60)[0]) / int(twin.communicate(timeout=60)[0])
+        throttle.join(timeout=10)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert ratio < 0.4, f"the throttled process made {ratio:.2f} of its twin's progress (0.2 expected)"
 
 
 def test_the_nodes_side_of_faults_starts_without_torch() -> None:

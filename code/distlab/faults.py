@@ -120,7 +120,7 @@ def inject(job: Job, rank: int, sig: str = "KILL", after_iteration: int = 0) -> 
 
 def throttle(job: Job, rank: int, share: float = 0.5, after_iteration: int = 0) -> subprocess.Popen:
     """Start a step in ``job`` that makes ``rank`` a straggler once the log shows ``after_iteration``:
-    stopped ``share`` of every 20 ms until it ends (``fault_agent throttle``); returns it running."""
+    stopped ``share`` of every 200 ms until it ends (``fault_agent throttle``); returns it running."""
     wait_for_state(job, {"RUNNING"})
     cmd = [sys.executable, "-m", "distlab.fault_agent", "throttle", "--job", str(job.id), "--rank", str(rank),
            "--share", str(share)]  # fmt: skip

@@ -60,6 +60,7 @@ from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size, vocab_padding_message
 from distlab.gpt.tensor_parallel.rng_tracker import model_parallel_manual_seed
 from distlab.gpt.training import log
+from distlab.gpt.training.fault_handling import startup_timeout_s
 from distlab.gpt.training.flops import flops_line
 from distlab.gpt.training.training import LocalBackend, forward_backward, micro_batches, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
@@ -141,7 +142,8 @@ class Run:
 
 def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     """Groups, data, model, optimizer and schedule, printing Megatron's start-up lines."""
-    state = ParallelState.build(layout, timeout_s=60 * args.distributed_timeout_minutes)
+    # groups built for the start; pretrain() sets --distributed-timeout-minutes once every rank is built
+    state = ParallelState.build(layout, timeout_s=startup_timeout_s(args.distributed_timeout_minutes))
     precision = Precision.from_args(args)
     # torch.distributed.fsdp only for runs that use it: imported, it changes DeepSpeed
     # (checkpointing/checkpointer.py)

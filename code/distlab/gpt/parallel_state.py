@@ -8,7 +8,7 @@ passed explicitly.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch.distributed as dist
 
@@ -78,6 +78,11 @@ class ParallelState:
                 if state.rank in ranks:
                     state.tp_ep_group = group
         return state
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The distinct process groups of this rank (each once, whatever roles it plays)."""
+        found = [getattr(self, f.name) for f in fields(self) if f.name.endswith("_group")]
+        return list({id(g): g for g in found if g is not None}.values())
 
     @property
     def ep(self) -> int:

@@ -39,7 +39,13 @@ from distlab.gpt.pipeline_parallel.p2p_communication import PipelineTransferErro
 from distlab.gpt.pipeline_parallel.timeline import bubble_summary, save_timeline
 from distlab.gpt.planning.dry_run import check_dry_run_rank, dry_run
 from distlab.gpt.training import housekeeping, log
-from distlab.gpt.training.fault_handling import HANG_GRACE_S, ExitSignal, is_timeout
+from distlab.gpt.training.fault_handling import (
+    HANG_GRACE_S,
+    ExitSignal,
+    is_timeout,
+    set_training_timeout,
+    startup_timeout_s,
+)
 from distlab.gpt.training.straggler import StragglerDetector
 from distlab.gpt.training.training import evaluate
 from distlab.logs.formats import EXIT_SIGNAL, HANG, HANG_DUMPS, MOE
@@ -66,11 +72,15 @@ def pretrain(argv: list[str] | None = None) -> dict:
     # before anything slow: SIGTERM's and SIGUSR1's default action would end a rank still starting
     exit_signal = ExitSignal(args.exit_signal).install() if args.exit_signal_handler else None
     flight_recorder.enable()  # before the first process group
-    ctx = init_distributed(args.distributed_backend, timeout_s=60 * args.distributed_timeout_minutes)
+    # until every rank is built, collectives wait at least STARTUP_TIMEOUT_S: a slow start is no hang
+    ctx = init_distributed(
+        args.distributed_backend, timeout_s=startup_timeout_s(args.distributed_timeout_minutes)
+    )
     run, hosts = None, []
     try:
         run = build_run(args, layout, ctx)
-        hosts = flight_recorder.start(flight_recorder.dump_prefix())
+        hosts = flight_recorder.start(flight_recorder.dump_prefix())  # collective: every rank is built
+        set_training_timeout(run.state.groups(), args.distributed_timeout_minutes)
         return train(run, exit_signal)
     except torch.OutOfMemoryError as exc:  # CUDA's allocator (and --device-memory-gib's cap)
         raise OutOfMemory(out_of_memory_message(exc, args.micro_batch_size, args.device_memory_gib)) from None

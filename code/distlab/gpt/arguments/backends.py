@@ -118,8 +118,8 @@ def _dtensor_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     return errors
 
 
-def _ckpt_format_errors(args: PretrainArgs, layout: Layout) -> list[str]:
-    """--async-save needs --ckpt-format torch_dist (as Megatron-LM); torch_dist has no tensor parallelism."""
+def _ckpt_format_errors(args: PretrainArgs) -> list[str]:
+    """--async-save needs --ckpt-format torch_dist (as Megatron-LM), and --save."""
     errors = []
     if args.async_save and args.ckpt_format != "torch_dist":
         errors.append(
@@ -129,14 +129,6 @@ def _ckpt_format_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         )
     if args.async_save and args.save is None:
         errors.append("--async-save was given without --save DIR")
-    dtensor = args.tensor_parallel_impl == "dtensor"
-    if args.ckpt_format == "torch_dist" and layout.tp > 1 and not dtensor and (args.save or args.load):
-        errors.append(
-            f"--ckpt-format torch_dist with --tensor-model-parallel-size {layout.tp}: this engine's "
-            f"tensor-parallel shards are plain tensors of the same name on every tp rank, which "
-            f"torch.distributed.checkpoint would take for copies of one tensor: use --ckpt-format torch, "
-            f"or --tensor-parallel-impl dtensor (DTensor shards: DCP knows where each lies)"
-        )
     return errors
 
 

@@ -80,7 +80,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         *_torch_fsdp2_errors(args, layout),
         *_torch_compile_errors(args),
         *_dtensor_errors(args, layout),
-        *_ckpt_format_errors(args, layout),
+        *_ckpt_format_errors(args),
         *_recompute_errors(args, layout),
         *_moe_errors(args, layout),
         *_context_parallel_errors(args, layout),
@@ -318,7 +318,7 @@ def _load_balancing_errors(args: PretrainArgs) -> list[str]:
 
 
 def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
-    """--context-parallel-size: this engine's own back end, no attention dropout, the legacy checkpoints."""
+    """--context-parallel-size: this engine's own back end, no attention dropout."""
     if layout.cp == 1:
         return []
     flag = f"--context-parallel-size {layout.cp}"
@@ -330,8 +330,6 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             ("--tensor-parallel-impl dtensor", args.tensor_parallel_impl == "dtensor",
              "its DeviceMesh has no cp dimension here; use --tensor-parallel-impl megatron"),
             (None, True, context_dropout_error(layout.cp, args.attention_dropout)),  # the layout's rule
-            ("--ckpt-format torch_dist", args.ckpt_format == "torch_dist" and bool(args.save or args.load),
-             "cp ranks hold the same weights under the same names; use --ckpt-format torch"),
             ("--sequence-parallel", layout.sequence_parallel,
              "not combined with ring attention in this engine; drop one"),
         )

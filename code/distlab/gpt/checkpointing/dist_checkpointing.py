@@ -21,8 +21,12 @@ loads, whatever their sharding: each rank asks for its chunks and DCP reads the 
 of the saved ones (2 FSDP2 ranks -> 1 plain rank: both files' rows); ``set_state_dict``'s halves
 put them in the model and the optimizer. Pipeline stages save different names (``wte.weight`` on
 the first, ``output_weight`` on the last), so pp works too, with the same pp on load. The
-hand-written tensor parallelism is refused (``arguments/``): its shards are plain tensors of one
-name on every tp rank, which DCP would take for replicas. DTensor's (``--tensor-parallel-impl
+hand-written tensor parallelism's shards, plain tensors of one name on every tp rank, go to DCP
+with their places in the one-process tensor (``tp_chunks``: SwiGLU's ``[gate_r; up_r]`` as two
+chunks), so a tp 2 checkpoint loads at tp 1 as Megatron's torch_dist does, if both pad the
+vocabulary to the same size (checked). Context-parallel ranks hold the same weights and optimizer
+state, as the dp ranks do: DCP writes each chunk once. The distributed optimizer's buckets
+reshard over dp x cp only (Megatron's ``dp_reshardable``). DTensor's (``--tensor-parallel-impl
 dtensor``) are DTensors: a checkpoint of FSDP2 over 4 ranks loads into TP 2 (x FSDP2), or 1 rank.
 
 Atomic and durable as the torch format: everything is written into ``iter_0000006.tmp/`` (DCP
@@ -63,11 +67,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.checkpointing import checkpointing, durable
+from distlab.gpt.checkpointing import checkpointing, durable, tp_chunks
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer, check_layout
 from distlab.gpt.parallel_state import ParallelState
@@ -84,52 +86,60 @@ def _coords(state: ParallelState) -> tuple[int, int, int]:
     return state.tp_rank, state.pp_rank, state.dp_rank
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, with_optimizer: bool) -> dict:
+def _state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState, *, with_optimizer: bool
+) -> dict:
     """What DCP saves, or loads into: ``{"model": ..., "optimizer": ...}`` by parameter name (FSDP2:
-    DTensor shards), ``get_state_dict``'s two halves. An optimizer that has not stepped yet (only
-    fp16 overflows so far) is left out: ``get_optimizer_state_dict`` would give it a state by
-    stepping it with lr 0, and Adam's step count would then differ from the uninterrupted run's."""
-    if isinstance(optimizer, DistributedOptimizer):  # its shards, as DTensors
+    DTensor shards; the hand-written tp's shards placed in the whole tensors, ``tp_chunks``),
+    ``get_state_dict``'s two halves. An optimizer that has not stepped yet (only fp16 overflows so
+    far) is left out: ``get_optimizer_state_dict`` would give it a state by stepping it with lr 0,
+    and Adam's step count would then differ from the uninterrupted run's."""
+    if isinstance(optimizer, DistributedOptimizer):
         optimizer.buffer.finish_param_sync()
-        state_dict = {"model": get_model_state_dict(model, options=OPTIONS)}
-        if with_optimizer:
-            state_dict["optimizer"] = {"distrib": _distributed_optimizer_state(optimizer)}
-        return state_dict
-    state_dict = {"model": get_model_state_dict(model, options=OPTIONS)}
-    if with_optimizer:
-        state_dict["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
+    # the hand-written tp's shards (DTensor TP's model is built whole: its E and output layer too)
+    tp, tp_rank = (state.tp, state.tp_rank) if getattr(model, "tp_group", None) is not None else (1, 0)
+    state_dict = {
+        "model": tp_chunks.place_model(get_model_state_dict(model, options=OPTIONS), model, tp, tp_rank)
+    }
+    if with_optimizer and isinstance(optimizer, DistributedOptimizer):  # its bucket shards
+        state_dict["optimizer"] = {"distrib": _distributed_optimizer_state(optimizer)}
+    elif with_optimizer:
+        flat = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
+        state_dict["optimizer"] = tp_chunks.place_optimizer(flat, model, tp, tp_rank)
     return state_dict
 
 
 def _distributed_optimizer_state(optimizer: DistributedOptimizer) -> dict:
     """``--use-distributed-optimizer``: bucket ``i``'s fp32 main parameters and moments on
-    pipeline stage ``k`` are ``pp<k>.bucket<i>.<name>``, ``Shard(0)`` DTensors of the bucket's
-    unpadded length over the dp x cp ranks: rank ``r``'s chunk is its shard, ``[r S, (r + 1) S)``
-    cut at the length, which is ``torch.chunk``'s split that DTensor assumes. DCP reads them back
-    for another dp x cp; the buckets must be the same (``check_layout``)."""
-    buffer, pp_rank = optimizer.buffer, optimizer.parallel.pp_rank
-    mesh = None
-    if buffer.d > 1:
-        device_type = buffer.buckets[0].param_data.device.type
-        mesh = DeviceMesh.from_group(buffer.group, device_type)
+    pipeline stage ``k`` are ``pp<k>.bucket<i>.<name>``, of shape (tp, bucket length): row ``t``
+    tensor-parallel rank t's bucket, of which dp x cp rank ``r`` holds ``[r S, (r + 1) S)`` cut at
+    the length (``tp_chunks.bucket_chunk``). Megatron's ``dp_reshardable`` format: DCP reads them
+    back for another dp x cp; the tp and the buckets must be the same (``check_layout``)."""
+    buffer, parallel = optimizer.buffer, optimizer.parallel
     out = {"step": optimizer.step_count().clone()}
     for i, bucket in enumerate(buffer.buckets):
         real = max(0, min(bucket.end, bucket.numel) - bucket.start)  # this rank's unpadded elements
         for name, shard in optimizer.bucket_tensors(i).items():
-            local = shard[:real]
-            if mesh is not None:
-                local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                           shape=torch.Size([bucket.numel]), stride=(1,))  # fmt: skip
-            out[f"pp{pp_rank}.bucket{i}.{name}"] = local
+            out[f"pp{parallel.pp_rank}.bucket{i}.{name}"] = tp_chunks.bucket_chunk(
+                shard[:real], bucket.start, bucket.numel, parallel.tp, parallel.tp_rank
+            )
     return out
 
 
-def _check_distributed_layout(optimizer: DistributedOptimizer, saved: dict) -> None:
-    """The saved buckets (DCP's metadata) must be this run's, before ``dcp.load`` reads any."""
-    pp_rank = optimizer.parallel.pp_rank
+def _check_distributed_layout(optimizer: DistributedOptimizer, saved: dict, folder: str) -> None:
+    """The saved buckets (DCP's metadata) must be this run's, and of this tp, before ``dcp.load``
+    reads any."""
+    pp_rank, tp = optimizer.parallel.pp_rank, optimizer.parallel.tp
     keys = {k for k in saved if k.startswith(f"optimizer.distrib.pp{pp_rank}.") and k.endswith(".param")}
-    numels = [saved[f"optimizer.distrib.pp{pp_rank}.bucket{i}.param"].size[0] for i in range(len(keys))]
-    check_layout(numels, [b.numel for b in optimizer.buffer.buckets])
+    sizes = [saved[f"optimizer.distrib.pp{pp_rank}.bucket{i}.param"].size for i in range(len(keys))]
+    if sizes and sizes[0][0] != tp:
+        raise ValueError(
+            f"{folder}'s distributed-optimizer state holds the buckets of {sizes[0][0]} tensor-parallel "
+            f"ranks and this run has --tensor-model-parallel-size {tp}: each tp rank's buckets hold its "
+            f"own shards (Megatron's dp_reshardable format reshards over dp only); load it with "
+            f"--tensor-model-parallel-size {sizes[0][0]}, or with --no-load-optim (the weights reshard)"
+        )
+    check_layout([size[1] for size in sizes], [b.numel for b in optimizer.buffer.buckets])
 
 
 def _load_distributed_optimizer(optimizer: DistributedOptimizer, loaded: dict) -> None:
@@ -140,11 +150,38 @@ def _load_distributed_optimizer(optimizer: DistributedOptimizer, loaded: dict) -
     for i, bucket in enumerate(optimizer.buffer.buckets):
         shards = {}
         for name in ("param", *optimizer.moment_keys):
-            tensor = loaded[f"pp{pp_rank}.bucket{i}.{name}"]
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local = loaded[f"pp{pp_rank}.bucket{i}.{name}"].flatten()  # (real,)
             shards[name] = torch.zeros_like(bucket.param_shard(), dtype=torch.float32)
             shards[name][: local.numel()] = local
         optimizer.load_bucket_tensors(i, shards, loaded["step"])
+
+
+def _check_vocabulary(model: dict, saved: dict, folder: str, then: dict, args: PretrainArgs) -> None:
+    """The padded vocabulary V (a multiple of ``--make-vocab-size-divisible-by`` x tp) saved must be
+    this run's before ``dcp.load`` reads any: the padded rows enter the softmax, so a tp that pads
+    otherwise trains another model (DCP would only say that the sizes differ)."""
+    for name in ("wte.weight", "output_layer.weight", "output_weight"):
+        if name not in model or f"model.{name}" not in saved:
+            continue
+        rows, mine = saved[f"model.{name}"].size[0], model[name]
+        want = getattr(mine, "global_shape", mine.shape)[0]  # tp_chunks' whole, else the tensor's own
+        if rows == want:
+            continue
+        divisible, tp = (
+            then["make_vocab_size_divisible_by"] * then["tensor_model_parallel_size"],
+            args.tensor_model_parallel_size,
+        )
+        fix = (
+            f"give --make-vocab-size-divisible-by {divisible // tp}"
+            if divisible % tp == 0
+            else f"give a --make-vocab-size-divisible-by that pads to {rows} at tp {tp}"
+        )
+        raise ValueError(
+            f"{folder} holds a padded vocabulary of {rows} rows ({name}: --make-vocab-size-divisible-by "
+            f"{then['make_vocab_size_divisible_by']} x tp {then['tensor_model_parallel_size']}) and this run "
+            f"pads to {want} (--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} x tp {tp}): "
+            f"the padded rows enter the softmax; {fix}"
+        )
 
 
 def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple[str, dict]:
@@ -166,7 +203,7 @@ def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple
                   "rng": dict(rngs), "args": dataclasses.asdict(args)}  # fmt: skip
         durable.write_file(os.path.join(tmp, COMMON), lambda f: torch.save(common, f))
     with_optimizer = isinstance(optimizer, DistributedOptimizer) or bool(optimizer.state)
-    return tmp, _state_dict(model, optimizer, with_optimizer=with_optimizer)
+    return tmp, _state_dict(model, optimizer, state, with_optimizer=with_optimizer)
 
 
 def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> str:
@@ -229,8 +266,8 @@ def load_checkpoint(
             )
         )
     common = torch.load(os.path.join(folder, COMMON), map_location="cpu", weights_only=False)
-    # tp may change: a torch_dist checkpoint holds whole tensors or DTensor shards (never the
-    # hand-written TP's), which DCP cuts for the loading layout
+    # tp may change: a torch_dist checkpoint holds whole tensors, DTensor shards and the hand-written
+    # tp's shards placed in them (tp_chunks), which DCP cuts for the loading layout
     checkpointing.check_args(common["args"], args, folder, may_differ=("tensor_model_parallel_size",))
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata  # every key saved
     with_optimizer = any(key.startswith("optimizer.") for key in saved) and not args.no_load_optim
@@ -242,8 +279,11 @@ def load_checkpoint(
             f"with --no-load-optim"
         )
     if with_optimizer and distrib:
-        _check_distributed_layout(optimizer, saved)
-    state_dict = _state_dict(model, optimizer, with_optimizer=with_optimizer)  # this run's, to be filled
+        _check_distributed_layout(optimizer, saved, folder)
+    state_dict = _state_dict(
+        model, optimizer, state, with_optimizer=with_optimizer
+    )  # this run's, to be filled
+    _check_vocabulary(state_dict["model"], saved, folder, common["args"], args)
     dcp.load(state_dict, checkpoint_id=folder)
     set_model_state_dict(model, state_dict["model"], options=OPTIONS)
     if isinstance(optimizer, DistributedOptimizer):

@@ -12,8 +12,9 @@ Reading (:func:`inspect`, then :func:`read_model`)::
                 wte again (tied) and is dropped, an untied ``output_layer`` kept; cp ranks hold
                 copies, dp rank 0 wrote them
     torch_dist  DCP's ``.metadata`` holds every tensor's global shape: ``dcp.load`` without a
-                process group assembles FSDP2's and DTensor TP's shards, and an ep run's experts
-                (each saved by its own rank), into whole tensors
+                process group assembles FSDP2's and DTensor TP's shards, the hand-written tp's
+                (``checkpointing/tp_chunks.py``) and an ep run's experts (each saved by its
+                own rank) into whole tensors
 
 The shapes are checked against the model the saved arguments build before any weight is read
 (``torch.load(mmap=True)`` maps, it does not read). V, the padded vocabulary, is the stored

@@ -35,14 +35,39 @@ rank 0 runs, cannot). On GPUs NCCL's watchdog aborts a collective past the timeo
 
 from __future__ import annotations
 
+import datetime
 import signal
 from types import FrameType
+
+import torch.distributed as dist
 
 from distlab.gpt.arguments.groups import SIGNALS
 
 #: Seconds a rank that timed out waits for the other ranks' flight-record dumps: the ranks that
 #: time out do so within about one iteration of each other; the report comes within the timeout + 30 s.
 HANG_GRACE_S = 10.0
+
+#: The least a collective waits while the run starts. The ranks reach their first collectives at
+#: different moments (importing torch, building the model, reading the data take longer on some
+#: ranks, and many seconds longer on a loaded machine: a 12 s ``--distributed-timeout-minutes 0.2``
+#: once timed out in the all-gather after building), and a slow start is not a hang. So the groups
+#: start with the longer of this and the run's timeout, and :func:`set_training_timeout` gives them
+#: ``--distributed-timeout-minutes`` once every rank is built (Megatron-LM applies its timeout from
+#: the start; its default, 10 minutes, is longer than any start).
+STARTUP_TIMEOUT_S = 300.0
+
+
+def startup_timeout_s(distributed_timeout_minutes: float) -> float:
+    """Seconds a collective may wait before the first iteration: max(the run's timeout, 300 s)."""
+    return max(60 * distributed_timeout_minutes, STARTUP_TIMEOUT_S)
+
+
+def set_training_timeout(groups: list[dist.ProcessGroup], distributed_timeout_minutes: float) -> None:
+    """From now on, a collective of the default group or of ``groups`` that waits longer than
+    ``--distributed-timeout-minutes`` fails (``torch.distributed.set_timeout``; gloo and NCCL)."""
+    timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
+    for group in [None, *groups]:
+        dist.set_timeout(timeout, group)
 
 
 class ExitSignal:
@@ -77,4 +102,12 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "Timed out waiting" in str(exc)
 
 
-__all__ = ["HANG_GRACE_S", "SIGNALS", "ExitSignal", "is_timeout"]
+__all__ = [
+    "HANG_GRACE_S",
+    "SIGNALS",
+    "STARTUP_TIMEOUT_S",
+    "ExitSignal",
+    "is_timeout",
+    "set_training_timeout",
+    "startup_timeout_s",
+]
