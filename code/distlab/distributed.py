@@ -237,10 +237,10 @@ def init_distributed(
 ) -> DistContext:
     """Start the default process group for this process (also for a world of one).
 
-    Under torchrun, in a namespace of its agent's store that no earlier attempt used (see the
-    module docstring: a restarted job would otherwise read its dead predecessors' addresses and
-    hang); elsewhere env://, with rank 0 serving the store. Also makes stdout write whole lines
-    (:func:`whole_line_stdout`): ranks share the job's log.
+    Under torchrun, in a namespace of its agent's store that no earlier attempt used
+    (``distlab.torchrun_store``: a restarted job would otherwise read its dead predecessors'
+    addresses and hang); elsewhere env://, with rank 0 serving the store. Also makes stdout write
+    whole lines (``distlab.rank_process.whole_line_stdout``): ranks share the job's log.
     """
     whole_line_stdout()
     env = env or discover()
