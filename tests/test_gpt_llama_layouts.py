@@ -5,7 +5,10 @@ validation losses within 1e-5 in fp32 (the layouts sum the same products in othe
 tp 2 splits the 2 query groups' K/V heads; with 1 group (multi-query) tp 2 replicates them (its
 own reference: another model). pp 2 puts the untied output layer on the last stage alone; cp 2
 rotates each rank's two chunks by their global positions; SP all-gathers the sequence before
-attention; then tp 2 x cp 2 x dp 2 and cp 2 x interleaved pp 2 (v = 2) x dp 2 on 8 ranks.
+attention; tp 2 x cp 2 with SP (Megatron's Llama 3 script's flags: each rank's norms hold T / (cp tp)
+tokens, attention the cp rank's T / cp); tp 2 with SP x interleaved pp 2 (v = 2: every chunk sends
+its T / tp slice); then tp 2 x cp 2 x dp 2 with SP and cp 2 x interleaved pp 2 (v = 2) x dp 2 on 8
+ranks (tp x cp without SP: ``test_gpt_context_parallel.py``).
 One spawn of 8 gloo processes runs the plan in order (each run on its first ``world`` ranks).
 """
 
@@ -38,7 +41,13 @@ RUNS = {
     "pp2": (2, "reference", ["--pipeline-model-parallel-size", "2"]),
     "cp2": (2, "reference", ["--context-parallel-size", "2"]),
     "tp2-sp": (2, "reference", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "tp2-cp2-dp2": (8, "reference", ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    "tp2-cp2-sp": (4, "reference", ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                    "--sequence-parallel"]),
+    "tp2-cp2-dp2-sp": (8, "reference", ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                        "--sequence-parallel"]),
+    "tp2-sp-ipp2": (4, "reference", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--pipeline-model-parallel-size", "2",
+                                     "--num-layers-per-virtual-pipeline-stage", "1"]),
     "cp2-ipp2-dp2": (8, "reference", ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                       "--num-layers-per-virtual-pipeline-stage", "1"]),
 }  # fmt: skip

@@ -123,6 +123,35 @@ def test_llama_script_trains_without_its_refused_flags(paths, tmp_path):
     assert len(run.last["val_losses"]) == 2 and run.last["final_val_loss"] > 0
 
 
+def test_llama_script_at_tp2_cp2_equals_one_process(tmp_path):
+    """The Llama 3 script at the layout its comment asks for ("Always enable sequence parallelism
+    with TP_SIZE=2"): TP_SIZE=2, CP_SIZE=2 on 4 ranks, with its --sequence-parallel, distributed
+    optimizer, both overlaps and torch_dist saves; in fp32 (less its two bf16 flags) it gives the
+    losses and gradient norms of the same script on one process (TP_SIZE=1, CP_SIZE=1) within 1e-5."""
+    bf16 = {"--bf16": 0, "--grad-reduce-in-bf16": 0}
+    sizes = {"--tensor-model-parallel-size": 1, "--context-parallel-size": 1}
+    plan = []
+    for name, world, tp_cp in (("tp2-cp2", 4, "2"), ("one", 1, "1")):
+        words = without(without(script_argv("llama", {"tmp": str(tmp_path / name)}), REFUSED_ARITY), bf16)
+        words = [
+            *without(words, sizes),
+            "--tensor-model-parallel-size",
+            tp_cp,
+            "--context-parallel-size",
+            tp_cp,
+        ]
+        plan.append((name, world, words, free_port()))
+    spawn_ranks(train_plan, (plan, str(tmp_path)), 4)
+    runs = {name: json.loads((tmp_path / f"{name}.rank0.json").read_text()) for name, *_ in plan}
+    assert [len(r["losses"]) for r in runs.values()] == [8, 8]
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(torch.tensor(runs["tp2-cp2"][key]), torch.tensor(runs["one"][key]),
+                                   rtol=TOL, atol=TOL)  # fmt: skip
+    log = (tmp_path / "tp2-cp2.rank0.log").read_text()
+    for said in ("tensor-model-parallel size: 2", "context parallelism: 2 ranks", "in torch_dist format"):
+        assert said in log, said
+
+
 def test_llama_real_data_branch_is_accepted_without_its_refused_flags(paths):
     """Its HuggingFaceTokenizer folder and dataset pass every check; --vocab-size is Megatron's
     NullTokenizer's only, and the start-up log says so."""

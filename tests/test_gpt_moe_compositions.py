@@ -11,7 +11,8 @@ and with one process; losses, gradient norms, the validation loss and the [moe] 
     cp 2 x ep 2 (dp 2), allgather: an ep group is the two cp ranks of one sample
     interleaved pp 2 (v 2) x ep 2 (dp 2), allgather: layers 0, 2 on stage 0 and 1, 3 on stage 1
     Llama-MoE (RMSNorm, RoPE, SwiGLU experts without biases, 2 query groups, untied output) on
-    tp 2 (sequence parallel) x pp 2 x ep 2 (dp 2), against the same Llama-MoE on one process
+    tp 2 (sequence parallel) x pp 2 x ep 2 (dp 2) and on tp 2 (sequence parallel) x cp 2 x ep 2
+    (each rank routes T / (cp tp) tokens of a sample), against the same Llama-MoE on one process
 
 and an ep 2 checkpoint (one file per ep rank) resumes the ep 2 run exactly.
 
@@ -65,6 +66,11 @@ RUNS = {
         "--expert-model-parallel-size 2",
     ),
     "cp2-ep2": (4, "--context-parallel-size 2 --expert-model-parallel-size 2"),
+    "llama-tp2-cp2-ep2": (
+        4,
+        f"{LLAMA} --tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel "
+        "--expert-model-parallel-size 2",
+    ),
     "pp2-vp2-ep2": (
         4,
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --expert-model-parallel-size 2",

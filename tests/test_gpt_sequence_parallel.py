@@ -113,6 +113,25 @@ def test_sequence_not_divisible_by_tp_is_refused() -> None:
     assert "--data-path is required" in str(plain.value) and "--seq-length" not in str(plain.value)
 
 
+def test_sequence_parallel_with_context_parallelism_splits_each_cp_ranks_tokens() -> None:
+    """SP with cp (Megatron's Llama 3 script at tp 2 x cp 2): accepted, and the sequence must split
+    into 2 cp chunks and each cp rank's T / cp tokens over tp. T = 20, cp 2, tp 4: 4 chunks of 5,
+    but 10 tokens per cp rank do not split over 4 tp ranks."""
+    mock = ("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64")
+    layout = validate_args(
+        _args(
+            "--sequence-parallel", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2", *mock
+        ),
+        world_size=4,
+    )
+    assert layout.sequence_parallel and (layout.tp, layout.cp) == (2, 2)
+    args = _args("--sequence-parallel", "--tensor-model-parallel-size", "4", "--context-parallel-size", "2",
+                 "--seq-length", "20", "--max-position-embeddings", "20", *mock)  # fmt: skip
+    with pytest.raises(ValueError, match=r"--seq-length 20 is not divisible by --tensor-model-parallel-size 4 "
+                                         r"x --context-parallel-size 2.*use a multiple of 8"):  # fmt: skip
+        validate_args(args, world_size=8)
+
+
 # --- one block, its collectives counted -------------------------------------------------------
 B, T, H, HEADS = 2, 8, 16, 4
 

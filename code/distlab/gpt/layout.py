@@ -249,14 +249,18 @@ class Layout:
     ) -> None:
         """Heads and hidden size must split over ``tp``, layers over ``pp``, the sequence into
         ``2 cp`` chunks (the load-balanced causal split of ``context_parallel/ring_attention.py``) and, with
-        sequence parallelism, over ``tp``."""
+        sequence parallelism, each cp rank's ``seq_length / cp`` tokens over ``tp``."""
         errors = []
         if seq_length is not None and (error := context_chunks_error(seq_length, self.cp)):
             errors.append(error)
-        if self.sequence_parallel and seq_length is not None and seq_length % self.tp:
+        if self.sequence_parallel and seq_length is not None and seq_length % (self.cp * self.tp):
+            sizes, what = f"--tensor-model-parallel-size {self.tp}", "it"
+            if self.cp > 1:  # each cp rank's tokens are split over its tp ranks
+                sizes += f" x --context-parallel-size {self.cp}"
+                what = "each context-parallel rank's tokens"
             errors.append(
-                f"--seq-length {seq_length} is not divisible by --tensor-model-parallel-size {self.tp}, "
-                f"which --sequence-parallel splits it over: use a multiple of {self.tp}"
+                f"--seq-length {seq_length} is not divisible by {sizes}, as --sequence-parallel splits "
+                f"{what} over tp: use a multiple of {self.cp * self.tp}"
             )
         if num_attention_heads % self.tp:
             errors.append(

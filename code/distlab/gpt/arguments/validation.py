@@ -330,8 +330,6 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             ("--tensor-parallel-impl dtensor", args.tensor_parallel_impl == "dtensor",
              "its DeviceMesh has no cp dimension here; use --tensor-parallel-impl megatron"),
             (None, True, context_dropout_error(layout.cp, args.attention_dropout)),  # the layout's rule
-            ("--sequence-parallel", layout.sequence_parallel,
-             "not combined with ring attention in this engine; drop one"),
         )
         if given and why
     ]  # fmt: skip
@@ -339,18 +337,14 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
 
 
 def _interleaving_errors(args: PretrainArgs, layout: Layout) -> list[str]:
-    """v > 1 (its sizes are checked by the layout): the interleaved schedule is a 1F1B; not with
-    --sequence-parallel. With context parallelism each chunk's ring attention runs over the cp
-    group, whose ranks are at the same place of the same schedule."""
+    """v > 1 (its sizes are checked by the layout): the interleaved schedule is a 1F1B. With context
+    parallelism each chunk's ring attention runs over the cp group, whose ranks are at the same
+    place of the same schedule; with --sequence-parallel every chunk sends its (b, T / tp, H) slice,
+    as the plain pipeline does (``build.build_forward_backward``'s shape)."""
     try:
         check_schedule(args.pipeline_schedule, layout.vp)
     except ValueError as e:
         return [str(e)]
-    if layout.vp > 1 and layout.sequence_parallel:
-        return [
-            f"--sequence-parallel with an interleaved pipeline (v = {layout.vp}): not combined in this "
-            f"engine; drop the virtual-pipeline flag or --sequence-parallel"
-        ]
     return []
 
 

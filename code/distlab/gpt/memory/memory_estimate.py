@@ -119,10 +119,10 @@ MLP (etp = tp): expert parameters, their gradients and optimizer state divide by
 routed copies of each token are not in the estimate).
 
 **Context parallelism** (``context_parallel/ring_attention.py``): a rank holds s / cp tokens of every sample,
-so every activation above counts s / cp instead of s, the loss head included: activation memory
-per rank falls as 1 / cp. Ring attention stores no scores (it recomputes them per block in
-backward, like fused attention), only q, k, v, its output and a log-sum-exp; the K/V blocks in
-flight and one block pair's (b, a/t, s/(2cp), s/(2cp)) scores are transient and not counted.
+so every activation above counts s / cp instead of s (s / (cp t) outside the tp GEMMs with SP), the
+loss head included: activation memory per rank falls as 1 / cp. Ring attention stores no scores (it
+recomputes them per block in backward, like fused attention), only q, k, v, its output and a
+log-sum-exp; the K/V blocks in flight and one block pair's (b, a/t, s/(2cp), s/(2cp)) scores are transient.
 Gradients are all-reduced over dp x cp through one flat copy.
 
 **Pipelines**: a stage holds L / pp layers; the first stage keeps the activations of

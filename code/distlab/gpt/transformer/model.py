@@ -46,7 +46,10 @@ keys and values (its g K/V heads) and attends to all of them; positions start af
 Context parallelism (``context_parallel/ring_attention.py``): with cp > 1 each rank holds T / cp tokens of
 every sample (two of 2 cp chunks, their global positions from ``context_parallel.positions``)
 and the core attention is :func:`~distlab.gpt.context_parallel.ring_attention.ring_attention` over the cp group;
-every other layer is per token and needs nothing.
+every other layer is per token and needs nothing. With sequence parallelism as well (Megatron's
+Llama 3 script), T is the cp rank's T / cp tokens: the residual stream holds its (b, T / (cp tp), H)
+slice, qkv's all-gather over tp restores the cp rank's T / cp for ring attention, and RoPE rotates
+them by their global positions (computed for the T / cp before the split over tp).
 
 Memory (``transformer/recompute.py``): ``--attention-backend`` picks the core attention, PyTorch's fused
 ``scaled_dot_product_attention`` or :func:`unfused_attention` (which stores the (b, n, T, T)
