@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 
 from distlab.comm import launch
-from distlab.distributed import print_on, shutdown
+from distlab.distributed import shutdown
 from distlab.gpt.distributed.grad_buckets import assign_buckets
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import LocalBackend, forward_backward
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.rank_process import print_on
 
 
 def build(state: ParallelState, cfg: GPTConfig, bucket: int | None) -> LocalBackend:

@@ -26,7 +26,6 @@ import time
 import torch
 
 from distlab import REPO_ROOT
-from distlab.distributed import free_port, usable_cpus
 from distlab.gpt.arguments import parse_args, parse_split, validate_args
 from distlab.gpt.data.gpt_dataset import build_datasets
 from distlab.gpt.data.tokenizer import GPT2BPETokenizer
@@ -35,6 +34,8 @@ from distlab.gpt.pretrain import pretrain
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.local_ranks import free_port
+from distlab.rank_process import usable_cpus
 
 #                name         layers hidden heads seq micro  (global batch = micro: world size 1)
 CONFIGS = {

@@ -24,7 +24,8 @@ import functools
 
 from distlab.comm import bench, launch
 from distlab.comm.collectives import parse_names
-from distlab.distributed import discover, pick_backend, pick_device, print_on, shutdown
+from distlab.distributed import discover, pick_backend, pick_device, shutdown
+from distlab.rank_process import print_on
 
 
 def main(args: argparse.Namespace) -> None:

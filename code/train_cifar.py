@@ -47,16 +47,8 @@ from torch.utils.data import DataLoader, Dataset
 from distlab import REPO_ROOT
 from distlab.cifar import data, engine
 from distlab.cifar.model import LAYERS, STEMS, ModelSpec, build_model, param_checksum
-from distlab.distributed import (
-    DEFAULT_TIMEOUT_S,
-    DistContext,
-    DistEnv,
-    cap_cpu_threads,
-    discover,
-    init_distributed,
-    print_on,
-    shutdown,
-)
+from distlab.distributed import DEFAULT_TIMEOUT_S, DistContext, DistEnv, discover, init_distributed, shutdown
+from distlab.rank_process import cap_cpu_threads, print_on
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,7 +30,7 @@ export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 # 21.08 and from 23.11 srun reads SLURM_CPUS_PER_TASK again (23.11 no longer reads SRUN_CPUS_PER_TASK),
 # which sbatch already exports. A task that starts
 # several ranks (torchrun) shares its CPUs among them: distlab caps each worker's threads at its
-# share of the cores it may use (distlab.distributed.cap_cpu_threads). A script that asks for no
+# share of the cores it may use (distlab.rank_process.cap_cpu_threads). A script that asks for no
 # CPUs gets Slurm's default (one per task) and PyTorch's own thread count.
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
     export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK" OMP_NUM_THREADS="$SLURM_CPUS_PER_TASK"

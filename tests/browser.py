@@ -21,7 +21,7 @@ from pathlib import Path
 
 import websocket
 
-from distlab.distributed import free_port
+from distlab.local_ranks import free_port
 
 CHROMIUM = shutil.which("chromium")
 

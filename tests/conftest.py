@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from distlab import REPO_ROOT
-from distlab.distributed import DistContext, free_port, init_distributed, shutdown, spawn_ranks, torchrun_env
+from distlab.distributed import DistContext, init_distributed, shutdown
+from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -49,7 +50,7 @@ def slurm_cluster(monkeypatch):
 def gloo_group(rank: int, world: int, port: int, timeout_s: float = 60) -> Iterator[DistContext]:
     """Rank ``rank`` of a ``world``-rank gloo group on ``port``, shut down on exit, even on error.
 
-    Sets torchrun's variables in this process (:func:`~distlab.distributed.torchrun_env`): call it
+    Sets torchrun's variables in this process (:func:`~distlab.local_ranks.torchrun_env`): call it
     in a spawned rank, never in the pytest process.
     """
     os.environ.update(torchrun_env(rank, world, port))

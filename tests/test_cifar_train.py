@@ -20,7 +20,8 @@ import torch
 from distlab import REPO_ROOT
 from distlab.cifar import data, engine
 from distlab.cifar.model import ModelSpec, build_model
-from distlab.distributed import free_port, shutdown, spawn_ranks, torchrun_env
+from distlab.distributed import shutdown
+from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
 from tests.conftest import gloo_group
 
 # A guard against hangs, not a measure: on the shared 2 cores at load average 24 (busy loops of a

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from distlab.cluster import ClusterPaths, cgroups, daemons, process
-from distlab.distributed import free_port
+from distlab.local_ranks import free_port
 from tests.conftest import cluster_available
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.mostly_waits]

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from distlab.cluster import ClusterPaths, accounting, config, daemons, process, users
-from distlab.distributed import free_port
+from distlab.local_ranks import free_port
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.mostly_waits]
 NAMES = ("labtest1", "labtest2")

@@ -1,4 +1,5 @@
-"""Rank discovery for every launcher (distlab.distributed), and real process groups started from it.
+"""Rank discovery for every launcher (distlab.distributed), real process groups started from it, and
+each rank's own settings (distlab.rank_process).
 
 Each launcher names rank/world/local rank differently; ``discover`` must read each correctly and
 prefer torchrun's variables (srun + torchrun sets both SLURM_* and RANK/WORLD_SIZE).
@@ -18,6 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distlab import distributed as D
+from distlab import rank_process
+from distlab.local_ranks import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -127,10 +130,11 @@ def test_half_set_launcher_variables_are_refused():
 
 
 def test_network_settings_line():
-    assert D.network_settings({"PATH": "/bin", "TORCH_NCCL_TRACE_BUFFER_SIZE": "1"}) is None
+    assert rank_process.network_settings({"PATH": "/bin", "TORCH_NCCL_TRACE_BUFFER_SIZE": "1"}) is None
     env = {"NCCL_SOCKET_IFNAME": "^docker,lo", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"}
     assert (
-        D.network_settings(env) == "GLOO_SOCKET_IFNAME=eth0 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=^docker,lo"
+        rank_process.network_settings(env)
+        == "GLOO_SOCKET_IFNAME=eth0 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=^docker,lo"
     )
 
 
@@ -169,7 +173,7 @@ def test_cpu_threads_are_capped(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "64")
     before = torch.get_num_threads()
     try:
-        note = D.cap_cpu_threads(local_world_size=10_000)
+        note = rank_process.cap_cpu_threads(local_world_size=10_000)
         assert torch.get_num_threads() == 1 and "capped" in note
     finally:
         torch.set_num_threads(before)
@@ -197,7 +201,7 @@ def _srun_task(task: int, port: int, out: str) -> None:
 
 def test_srun_alone_starts_a_process_group(tmp_path):
     """Four 'srun tasks' (only SLURM_* variables) form one group: all-reduce of ranks = 0+1+2+3."""
-    mp.start_processes(_srun_task, args=(D.free_port(), str(tmp_path / "t")), nprocs=4, start_method="spawn")
+    mp.start_processes(_srun_task, args=(free_port(), str(tmp_path / "t")), nprocs=4, start_method="spawn")
     got = [json.loads((tmp_path / f"t.{i}.json").read_text()) for i in range(4)]
     assert got == [["srun", i, 4, i % 2, 6.0] for i in range(4)]
 
@@ -218,7 +222,7 @@ def test_mpirun_starts_a_process_group():
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))
     }
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(D.free_port()))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = subprocess.run(
         [
             "mpirun",
@@ -265,7 +269,7 @@ def test_stdout_writes_whole_lines(monkeypatch):
     print("before", flush=True)
     assert raw.writes == [b"before", b"\n"]  # the problem: text and newline apart
     raw.writes.clear()
-    D.whole_line_stdout()
+    rank_process.whole_line_stdout()
     print("iteration 1 | lm loss: 7.0 |", flush=True)
     print("a", "b")
     assert raw.writes == [b"iteration 1 | lm loss: 7.0 |\n", b"a b\n"]

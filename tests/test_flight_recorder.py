@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import flight_recorder
-from distlab.distributed import free_port, spawn_ranks, torchrun_env
+from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
 
 pytestmark = pytest.mark.timeout(120)
 

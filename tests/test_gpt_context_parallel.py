@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlab.checks import ExerciseError
-from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.context_parallel.ring_attention import (
     Ring,
@@ -36,6 +35,7 @@ from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes, st
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.local_ranks import free_port, spawn_ranks
 from distlab.logs.exercise import (
     check_long_sequence_run,
     long_sequence_budget,

@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import estimate
@@ -31,6 +30,7 @@ from distlab.gpt.moe.moe_layer import MoEConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.local_ranks import free_port, spawn_ranks
 from distlab.logs.formats import MEMORY
 from tests.conftest import assert_same_training, run_gloo, train_plan
 

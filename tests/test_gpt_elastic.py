@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from distlab import REPO_ROOT
-from distlab.distributed import free_port
 from distlab.gpt.tools.local_run import prepare_data
+from distlab.local_ranks import free_port
 from distlab.logs import restarts
 from tests.test_gpt_restart import WORKER, kill_workers
 

@@ -31,11 +31,11 @@ import pytest
 
 from distlab import REPO_ROOT, fault_agent, faults
 from distlab.checks import ExerciseError
-from distlab.distributed import free_port, torchrun_env
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.checkpointing.checkpointing import resume_line
 from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.training.fault_handling import ExitSignal
+from distlab.local_ranks import free_port, torchrun_env
 from distlab.logs import restarts
 from distlab.logs.formats import BATCH, EXIT_SIGNAL, HANG, ITERATION, SAVED
 from distlab.logs.megatron import banner_line

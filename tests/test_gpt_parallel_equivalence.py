@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.pipeline_parallel.plot import plot_timelines
 from distlab.gpt.pipeline_parallel.timeline import load_timeline
 from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
+from distlab.local_ranks import free_port, spawn_ranks
 from tests.conftest import TINY_GPT_ARGV as MODEL
 from tests.conftest import assert_same_training
 

@@ -8,7 +8,7 @@ resumes from the latest complete checkpoint and ends with the losses of an unint
 
 The kill iteration is ``random.Random(SEED)``'s choice among the iterations after the first
 checkpoint; ``DISTLAB_RESTART_SEED`` picks another one. Without a fresh namespace in torchrun's
-store per attempt (``distlab.distributed.agent_store_namespace``), the second attempt reads the
+store per attempt (``distlab.torchrun_store.agent_store_namespace``), the second attempt reads the
 gloo addresses of the killed one and fails ("Connection refused") or hangs; the first test below
 checks that handshake alone, in threads.
 """
@@ -31,8 +31,8 @@ import pytest
 import torch.distributed as dist
 
 from distlab import REPO_ROOT
-from distlab.distributed import agent_store_namespace
 from distlab.gpt.tools.local_run import prepare_data
+from distlab.torchrun_store import agent_store_namespace
 
 pytestmark = pytest.mark.timeout(90)
 

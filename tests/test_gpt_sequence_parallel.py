@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.arguments.implementations import implementation_lines
 from distlab.gpt.distributed.gradients import reduce_gradients
@@ -33,6 +32,7 @@ from distlab.gpt.memory.memory_estimate import MemorySetup, block_bytes, korthik
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
 from distlab.gpt.transformer.model import Block, GPTConfig, init_parameters
+from distlab.local_ranks import free_port, spawn_ranks
 from tests.conftest import TINY_GPT_ARGV as MODEL
 from tests.conftest import assert_same_training, run_gloo
 

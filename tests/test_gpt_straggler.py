@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from distlab import REPO_ROOT
-from distlab.distributed import free_port, torchrun_env
 from distlab.gpt.tools.local_run import prepare_data
+from distlab.local_ranks import free_port, torchrun_env
 from distlab.logs.formats import STRAGGLER, STRAGGLER_RANKS
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ import urllib.request
 import psutil
 import pytest
 
-from distlab.distributed import free_port
+from distlab.local_ranks import free_port
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.mostly_waits]
 

@@ -26,14 +26,8 @@ The backend follows the hardware: ``nccl`` when CUDA is present, else ``gloo``. 
 group is created with a timeout, so a missing or dead rank fails the job with a message instead
 of hanging it.
 
-Restarts (``torchrun --max-restarts N``): torchrun's agent serves one TCP store at
-``MASTER_ADDR:MASTER_PORT`` for its whole life, and since PyTorch 2.5 the workers of every attempt
-share it without a per-attempt prefix (pytorch/pytorch#135712, #135957). A restarted worker then
-reads the keys its killed predecessors left there (gloo's addresses of processes that no longer
-exist): ``init_process_group`` fails with "Connection refused", or waits until the group's
-timeout, printing nothing.
-:func:`init_distributed` therefore starts each attempt's group in a fresh namespace of that store,
-named by rank 0 of the attempt and confirmed by every other rank (:func:`agent_store_namespace`),
+Restarts (``torchrun --max-restarts N``): each attempt starts its group in a fresh namespace of
+torchrun's agent store (``distlab.torchrun_store``: why a restarted worker would otherwise hang),
 and counts the attempts there (``DistContext.restart``).
 """
 
@@ -41,20 +35,18 @@ from __future__ import annotations
 
 import datetime
 import gc
-import io
 import os
 import re
-import socket
 import sys
-import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from distlab.rank_process import whole_line_stdout
+from distlab.torchrun_store import agent_store_namespace, agent_store_serves
 
 #: Seconds a collective may wait for a missing rank before the job fails.
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_PG_TIMEOUT", "300"))
@@ -195,40 +187,6 @@ def discover(env: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, 1, addr, port, "single")
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and let the kernel choose)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-#: What the fork server of :func:`spawn_ranks` imports once, so that no rank it starts pays for it
-#: again (torch alone takes seconds of a core; ``torch._dynamo`` is imported by the first
-#: ``torch.optim`` optimizer).
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlab.distributed"]
-
-
-def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
-    """``mp.spawn`` from a fork server: ``fn(i, *args)`` for i < ``nprocs``, each in a fresh process
-    forked from one that has imported :data:`FORKSERVER_PRELOAD` and computed nothing (so no thread
-    pool is copied); a process that raises fails the call with its traceback. ``fn`` must be a
-    module-level function (it is pickled by name), as for ``mp.spawn``."""
-    mp.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts (the first call)
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
-
-
-def torchrun_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1") -> dict[str, str]:
-    """The variables torchrun gives rank ``rank`` of ``world_size`` processes on one node."""
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": addr,
-        "MASTER_PORT": str(port),
-    }
-
-
 def pick_backend(requested: str | None = None) -> str:
     """``nccl`` with CUDA, else ``gloo``; an explicit request is honoured and checked."""
     if requested in (None, "", "auto"):
@@ -245,39 +203,6 @@ def pick_device(backend: str, local_rank: int) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def usable_cpus() -> int:
-    """Cores this process may actually run on (its affinity mask), not the node's total."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def cap_cpu_threads(local_world_size: int) -> str:
-    """Cap intra-op threads to this rank's share of the usable cores; return what was done.
-
-    Cluster scripts often export ``OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK``, which on the local
-    cluster is far above the real cores and makes every rank fight for them.
-    """
-    share = max(1, usable_cpus() // max(local_world_size, 1))
-    asked = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
-    threads = min(asked, share) if asked else share
-    torch.set_num_threads(threads)
-    note = f" (OMP_NUM_THREADS={asked} capped)" if asked > threads else ""
-    return f"intra-op threads: {threads} of {usable_cpus()} usable cores{note}"
-
-
-def network_settings(env: Mapping[str, str] | None = None) -> str | None:
-    """This rank's communication variables (``NCCL_*``, ``GLOO_*``), or None when none is set.
-
-    The settings a cluster's job script or DeepSpeed's ``.deepspeed_env`` gives every node (which
-    interface, InfiniBand or not). Printed by every rank, they show which node received them.
-    """
-    env = os.environ if env is None else env
-    given = sorted(f"{k}={v}" for k, v in env.items() if k.startswith(("NCCL_", "GLOO_")))
-    return " ".join(given) or None
 
 
 @dataclass(frozen=True)
@@ -305,101 +230,6 @@ class DistContext:
         return self.env.rank == 0
 
 
-def whole_line_stdout() -> None:
-    """Make every ``print`` reach stdout as one write of a whole line.
-
-    All ranks of a job write into the same log. Unbuffered stdout (``PYTHONUNBUFFERED=1``, which
-    job scripts set so that logs show progress live) writes a line's text and its newline
-    separately, and another rank's line can land between the two, breaking both for ``grep``.
-    Line buffering without write-through writes ``text + newline`` at once.
-    """
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(line_buffering=True, write_through=False)
-
-
-def print_on(on: bool, *lines: str) -> None:
-    """Print ``lines`` in one write when ``on`` is true, e.g. ``print_on(ctx.rank == 0, ...)``.
-
-    The one print-on-one-rank helper: start-up lines from rank 0, a loss from the rank that
-    holds it. One write, flushed, so another rank's line never lands inside these.
-    """
-    if on and lines:
-        sys.stdout.write("".join(f"{line}\n" for line in lines))
-        sys.stdout.flush()
-
-
-def agent_store_serves(env: DistEnv) -> bool:
-    """Whether torchrun's agent serves the rendezvous store at ``env``'s address (it says so in
-    ``TORCHELASTIC_USE_AGENT_STORE``, for its own ``MASTER_ADDR:MASTER_PORT`` only)."""
-    return (
-        env.launcher == "torchrun"
-        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and os.environ.get("MASTER_ADDR") == env.master_addr
-        and os.environ.get("MASTER_PORT") == str(env.master_port)
-    )
-
-
-def _wait_keys(store: dist.Store, keys: list[str], deadline: float, what: str) -> None:
-    """``store.wait(keys)`` until ``deadline`` (monotonic); past it, a TimeoutError naming ``what``."""
-    left = deadline - time.monotonic()
-    try:
-        if left <= 0:
-            raise dist.DistStoreError("deadline passed")
-        store.wait(keys, datetime.timedelta(seconds=left))
-    except dist.DistStoreError:
-        raise TimeoutError(what) from None
-
-
-def agent_store_namespace(
-    store: dist.Store, rank: int, world_size: int, timeout_s: float, where: str = "in torchrun's store"
-) -> tuple[str, int]:
-    """Agree with every rank of this attempt on a namespace of torchrun's store that no earlier
-    attempt used; return it and the number of earlier attempts (rank 0's count, shared).
-
-    Rank 0 counts its start (``starts``), draws a token ``<attempt>.<random>`` and publishes it as
-    ``leader``. Every other rank answers the token it reads with a random word of its own
-    (``<token>/ack/<rank>``) and takes the token once rank 0 echoes that word back
-    (``<token>/go/<rank>``). A ``leader`` left by a killed attempt is never echoed with a word of
-    this attempt, so a rank that read it reads again until rank 0 of this attempt has written
-    its own. Every wait ends after ``timeout_s`` with a TimeoutError that names what it waited for.
-    """
-    deadline = time.monotonic() + timeout_s
-    if rank == 0:
-        attempt = store.add("starts", 1) - 1
-        token = f"{attempt}.{uuid.uuid4().hex}"
-        store.set("leader", token)
-        acks = [f"{token}/ack/{r}" for r in range(1, world_size)]
-        if acks:
-            try:
-                _wait_keys(store, acks, deadline, "")
-            except TimeoutError:
-                missing = [r for r, key in enumerate(acks, start=1) if not store.check([key])]
-                raise TimeoutError(
-                    f"rank 0 waited {timeout_s:.0f} s {where} for ranks {missing} to join attempt "
-                    f"{attempt} of this torchrun job: are they alive, and started by the same torchrun?"
-                ) from None
-            store.multi_set([f"{token}/go/{r}" for r in range(1, world_size)], store.multi_get(acks))
-        return token, attempt
-    word, answered = uuid.uuid4().hex.encode(), None
-    _wait_keys(
-        store, ["leader"], deadline, f"rank {rank} waited {timeout_s:.0f} s {where} for rank 0 to start"
-    )
-    while True:  # "leader" stays once written: poll it
-        token = store.get("leader").decode()
-        if token != answered:
-            store.set(f"{token}/ack/{rank}", word)
-            answered = token
-        go = f"{token}/go/{rank}"
-        if store.check([go]) and store.get(go) == word:
-            return token, int(token.split(".")[0])
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"rank {rank} waited {timeout_s:.0f} s {where} for rank 0 of this attempt: the last "
-                f"leader it read, {token}, never answered (left by an attempt that was killed?)"
-            )
-        time.sleep(0.05)
-
-
 def init_distributed(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -407,10 +237,10 @@ def init_distributed(
 ) -> DistContext:
     """Start the default process group for this process (also for a world of one).
 
-    Under torchrun, in a namespace of its agent's store that no earlier attempt used (see the
-    module docstring: a restarted job would otherwise read its dead predecessors' addresses and
-    hang); elsewhere env://, with rank 0 serving the store. Also makes stdout write whole lines
-    (:func:`whole_line_stdout`): ranks share the job's log.
+    Under torchrun, in a namespace of its agent's store that no earlier attempt used
+    (``distlab.torchrun_store``: a restarted job would otherwise read its dead predecessors'
+    addresses and hang); elsewhere env://, with rank 0 serving the store. Also makes stdout write
+    whole lines (``distlab.rank_process.whole_line_stdout``): ranks share the job's log.
     """
     whole_line_stdout()
     env = env or discover()

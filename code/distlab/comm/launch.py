@@ -32,15 +32,9 @@ from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
-from distlab.distributed import (
-    DistContext,
-    cap_cpu_threads,
-    discover,
-    free_port,
-    init_distributed,
-    print_on,
-    torchrun_env,
-)
+from distlab.distributed import DistContext, discover, init_distributed
+from distlab.local_ranks import free_port, torchrun_env
+from distlab.rank_process import cap_cpu_threads, print_on
 
 
 class LaunchError(ValueError):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from distlab.distributed import DistContext, cap_cpu_threads, network_settings, print_on
+from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs, as_list, deepspeed_run_config, parse_split
 from distlab.gpt.arguments.architecture import query_groups
 from distlab.gpt.arguments.implementations import implementation_lines
@@ -66,6 +66,7 @@ from distlab.gpt.training.training import LocalBackend, forward_backward, micro_
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.gpt.transformer.recompute import granularity_of
 from distlab.logs.formats import BATCH, PARAMETERS
+from distlab.rank_process import cap_cpu_threads, network_settings, print_on
 
 
 @dataclass

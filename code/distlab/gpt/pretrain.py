@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import flight_recorder
-from distlab.distributed import discover, init_distributed, print_on, shutdown
+from distlab.distributed import discover, init_distributed, shutdown
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.build import Run, build_run
 from distlab.gpt.checkpointing.checkpointing import Snapshot
@@ -49,6 +49,7 @@ from distlab.gpt.training.fault_handling import (
 from distlab.gpt.training.straggler import StragglerDetector
 from distlab.gpt.training.training import evaluate
 from distlab.logs.formats import EXIT_SIGNAL, HANG, HANG_DUMPS, MOE
+from distlab.rank_process import print_on
 
 
 class OutOfMemory(RuntimeError):

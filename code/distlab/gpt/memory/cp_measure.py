@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distlab.distributed import free_port, init_distributed, shutdown, torchrun_env
+from distlab.distributed import init_distributed, shutdown
 from distlab.gpt.context_parallel.ring_attention import Ring, RingAttention, pair_work, split_sequence
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, stage_layers_bytes
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.local_ranks import free_port, torchrun_env
 
 MiB = 2**20
 WORLD = 4

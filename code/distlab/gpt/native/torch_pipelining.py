@@ -64,7 +64,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
 )
 
-from distlab.distributed import free_port, init_distributed, shutdown, torchrun_env
+from distlab.distributed import init_distributed, shutdown
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
@@ -72,6 +72,7 @@ from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
 from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.local_ranks import free_port, torchrun_env
 
 #: Name -> (schedule class, stages per rank).
 SCHEDULES = {

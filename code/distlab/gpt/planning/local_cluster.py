@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 
 from distlab.comm.bench import BUS_FACTOR, make_op, time_op
-from distlab.distributed import free_port, spawn_ranks
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.memory.memory_estimate import MemorySetup, stage_parameters
 from distlab.gpt.planning.hardware import Hardware, Link
 from distlab.gpt.planning.step_model import StepPrediction, predict_step
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.training.flops import measure_gemm_tflops
+from distlab.local_ranks import free_port, spawn_ranks
 
 SMALL, LARGE = 1024, 8 * 2**20  # bytes of the all-reduces that give alpha and the bandwidth
 TINY, BLOCK = 16, 2**16  # fp32 elements of the exps that give a kernel's latency and the bandwidth
@@ -44,7 +44,7 @@ TINY, BLOCK = 16, 2**16  # fp32 elements of the exps that give a kernel's latenc
 def _time_all_reduce(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from distlab.distributed import torchrun_env
+    from distlab.local_ranks import torchrun_env
 
     os.environ.update(torchrun_env(rank, world, port))
     torch.set_num_threads(1)

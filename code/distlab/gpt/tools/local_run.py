@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from distlab.distributed import free_port, spawn_ranks, torchrun_env
 from distlab.gpt.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from distlab.gpt.data.tokenizer import GPT2BPETokenizer, stdlib_docstrings, train_bpe
+from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
 
 
 @dataclass(frozen=True)
