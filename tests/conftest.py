@@ -20,8 +20,9 @@ from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "mostly_waits: spends its time waiting (on its own Slurm cluster, JupyterHub or JupyterLab, or on "
-        "Slurm's timers), not computing; ./lab test runs these beside the other tests",
+        "mostly_waits: spends its time waiting (on its own Slurm cluster, JupyterHub or JupyterLab, on "
+        "Slurm's timers, or on a process group's timeout), not computing; ./lab test runs these beside "
+        "the other tests",
     )
 
 

@@ -188,6 +188,7 @@ def test_sigusr1_to_torchrun_is_forwarded_and_the_run_resumes(data, uninterrupte
     resume_and_compare(tmp_path, data, ckpt, stop["iteration"], uninterrupted)
 
 
+@pytest.mark.mostly_waits  # a rank sleeps 10 s before its first collective
 def test_a_slow_start_is_not_a_hang(data, tmp_path):
     """One rank builds its run 10 s after the other, with a 6 s --distributed-timeout-minutes:
     the first collective after building waits for it (the groups' start-up timeout,
@@ -199,6 +200,7 @@ def test_a_slow_start_is_not_a_hang(data, tmp_path):
     assert sorted(losses(log)) == list(range(1, TRAIN_ITERS + 1)), log[-4000:]
 
 
+@pytest.mark.mostly_waits  # the others wait out the 6 s timeout and the dumps' grace
 @pytest.mark.parametrize("frozen", [0, 3])
 def test_a_stopped_rank_and_its_collective_are_named_after_the_timeout(data, tmp_path, frozen):
     """TP 2 x PP 2: one rank stops itself (SIGSTOP) after iteration 3, rank 0 included (it serves
