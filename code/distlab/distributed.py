@@ -260,7 +260,7 @@ def init_distributed(
             os.environ.setdefault(name, str(value))
         timeout = datetime.timedelta(seconds=timeout_s)
         rendezvous: dict = {"init_method": "env://"}
-        if agent_store_serves(env):
+        if agent_store_serves(env.launcher, env.master_addr, env.master_port):
             agent = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
             where = f"in torchrun's store at {env.master_addr}:{env.master_port}"
             token, restart = agent_store_namespace(

@@ -19,22 +19,18 @@ import datetime
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from distlab.distributed import DistEnv
 
-
-def agent_store_serves(env: DistEnv) -> bool:
-    """Whether torchrun's agent serves the rendezvous store at ``env``'s address (it says so in
-    ``TORCHELASTIC_USE_AGENT_STORE``, for its own ``MASTER_ADDR:MASTER_PORT`` only)."""
+def agent_store_serves(launcher: str, master_addr: str, master_port: int) -> bool:
+    """Whether torchrun's agent serves the rendezvous store at ``master_addr:master_port`` (it says
+    so in ``TORCHELASTIC_USE_AGENT_STORE``, for its own ``MASTER_ADDR:MASTER_PORT`` only)."""
     return (
-        env.launcher == "torchrun"
+        launcher == "torchrun"
         and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and os.environ.get("MASTER_ADDR") == env.master_addr
-        and os.environ.get("MASTER_PORT") == str(env.master_port)
+        and os.environ.get("MASTER_ADDR") == master_addr
+        and os.environ.get("MASTER_PORT") == str(master_port)
     )
 
 
