@@ -6,8 +6,8 @@ MFU, with the error and where the predicted step goes::
     python benchmarks/bench_step_model.py
 
 Measured here (``--local``): the local hardware is measured first (``planning/local_cluster.py``:
-one rank's GEMM rate, a gloo all-reduce's alpha and bus bandwidth, an fp32 exp's latency and
-bandwidth), then the fraction of that GEMM rate the model's step reaches, from the first layout
+one rank's GEMM rate, a sweep of gloo's collectives from 1 KiB to 16 MiB, an fp32 exp's latency
+and bandwidth, a copy's bandwidth), then the fraction of that GEMM rate the model's step reaches, from the first layout
 (the one calibration, measured first and last, the faster kept: a CPU step of a small model is far
 from its GEMM peak), then the other 21 of
 22 layouts of a small GPT over 2 spawned gloo ranks (dp, tp, tp + SP, pp, interleaved pp, cp, ep
@@ -86,10 +86,12 @@ def run_local(iters: int) -> None:
     before and after the others; predict and measure the other 21."""
     print("> load average at the start: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg()))
     hw = measure_local(ranks_per_node=2, threads_per_rank=1)
-    el = hw.elementwise
-    print(f"> {hw.name}: {hw.peak_flops / 1e9:.1f} GFLOP/s per rank, all-reduce alpha "
-          f"{hw.intra_node.latency * 1e3:.3f} ms, bus bandwidth {hw.intra_node.bandwidth / 1e9:.2f} GB/s, "
-          f"fp32 exp {el.latency * 1e6:.1f} us + bytes / {el.bandwidth / 1e9:.2f} GB/s")  # fmt: skip
+    el, mem, link = hw.elementwise, hw.memory, hw.intra_node
+    swept = ", ".join(
+        f"{op} {1e3 * pts[0][1]:.2f}-{1e3 * pts[-1][1]:.1f}" for op, pts in link.measured.items()
+    )
+    print(f"> {hw.name}: {hw.peak_flops / 1e9:.1f} GFLOP/s per rank; gloo, ms from 1 KiB to 16 MiB: {swept}; "
+          f"fp32 exp {el.latency * 1e6:.1f} us + bytes / {el.bandwidth / 1e9:.2f} GB/s, copy {mem.bandwidth / 1e9:.1f} GB/s")  # fmt: skip
     layouts = local_layouts()
     name, flags = layouts[0]
     calibration = f"{MODEL} {flags} --train-iters {2 * iters}".split()

@@ -102,7 +102,7 @@ def test_the_update_costs_its_bytes_over_the_measured_bandwidth() -> None:
     """dp 2, n = 1e6 fp32 parameters, 1 GB/s: the norm, clipping and AdamW pass 40 bytes per
     parameter, the buckets' copy in, division and copy back 24; the distributed optimizer updates half of them."""
     n, el = 1e6, Link(bandwidth=1e9, latency=1e-6)
-    hw = Hardware("t", 8, 1e12, 1.0, 2**34, Link(100e9, 1e-5), Link(10e9, 1e-4), False, "", el)
+    hw = Hardware("t", 8, 1e12, 1.0, 2**34, Link(100e9, 1e-5), Link(10e9, 1e-4), False, "", memory=el)
     args = parse_args(f"{TINY} --global-batch-size 2".split())
     layout = Layout(2, global_batch_size=2)
     assert predict_step(args, layout, hw, 128, n).optimizer == pytest.approx((40 * n + 24 * n) / 1e9)

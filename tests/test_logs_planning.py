@@ -104,7 +104,12 @@ def test_the_untouched_exercise_says_what_to_do_without_failing(plan_70b, capsys
         (dict(tp=3, pp=4, micro_batch_size=1), "not divisible by"),
         (dict(tp=16, pp=2, micro_batch_size=1), "does not divide the 8 query groups"),
         (dict(tp=8, pp=1, micro_batch_size=1), "does not fit: peak 86.8 GiB exceeds 80 GiB"),
-        (dict(tp=8, pp=2, micro_batch_size=1), r"fits .* 4% slower than the fastest layout that fits"),
+        # the smallest tp that fits: least tensor-parallel traffic, but 5 layers a stage and the output
+        # layer (a 128,256-word vocabulary: about one layer's FLOPs) make the last stage 20% longer
+        (
+            dict(tp=4, pp=16, micro_batch_size=1),
+            r"fits .*output layer .* 10% slower than the fastest layout that fits",
+        ),
     ],
 )
 def test_a_wrong_layout_fails_saying_why(plan_70b, answer, why) -> None:
@@ -116,8 +121,8 @@ def test_the_fastest_layout_that_fits_passes(plan_70b, capsys) -> None:
     args, hw, candidates = plan_70b
     best = planning.fastest(candidates, 80)
     lay = best.layout
-    assert (lay.tp, lay.pp, lay.micro_batch_size) == (4, 16, 1)
-    assert _check(dict(tp=4, pp=16, micro_batch_size=1), plan_70b) is True
+    assert (lay.tp, lay.pp, lay.micro_batch_size) == (8, 2, 1)
+    assert _check(dict(tp=8, pp=2, micro_batch_size=1), plan_70b) is True
     assert "[ok]" in capsys.readouterr().out
 
 

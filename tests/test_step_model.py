@@ -62,22 +62,43 @@ def test_tensor_parallel_step_by_hand() -> None:
 
 
 def test_pipeline_and_data_parallel_step_by_hand() -> None:
-    """pp 2 x dp 2 over nodes of 2: m = 4 micro-batches, t_mb = compute / 4 + 2 sends of b s H x 4
-    bytes over the inter-node link (pp ranks 0 and 2 lie on two nodes); pipeline t_mb (4 + 1);
-    dp (ranks 0, 1: one node) all-reduces n x 4 bytes once, exposed without overlap."""
+    """pp 2 x dp 2 over nodes of 2: m = 4 micro-batches; per micro-batch a stage computes its
+    blocks (compute minus the output layer's share, / 4) and 2 sends of b s H x 4 bytes over the
+    inter-node link (pp ranks 0 and 2 lie on two nodes); the last stage also the output layer
+    (6 B s h V over its 2 ranks, / 4). 1F1B: 4 t_last + t_first. dp (ranks 0, 1: one node)
+    all-reduces n x 4 bytes once, exposed without overlap."""
     args = parse_args(f"{TINY} --global-batch-size 8 --vocab-size 128".split())
     layout = Layout(4, pp=2, global_batch_size=8)
     n = 50_000
-    F = 24 * 8 * 32 * 64**2 * (1 + 32 / (6 * 64)) * (3 * 2) + 6 * 8 * 32 * 64 * 128
+    head = 6 * 8 * 32 * 64 * 128
+    F = 24 * 8 * 32 * 64**2 * (1 + 32 / (6 * 64)) * (3 * 2) + head
     compute = F / 4 / 1e12
-    t_mb = compute / 4 + 2 * (1e-4 + 32 * 64 * 4 / 10e9)
+    t_first = (compute - head / 4 / 1e12) / 4 + 2 * (1e-4 + 32 * 64 * 4 / 10e9)
+    t_last = t_first + head / 2 / 1e12 / 4
     dp = 1e-5 + 2 * (1 / 2) * n * 4 / 100e9
     p = predict_step(args, layout, _hw(gpus_per_node=2), 128, parameters_per_rank=n)
-    assert p.step == pytest.approx(t_mb * 5 + dp)
-    assert p.bubble == pytest.approx(t_mb)
+    assert p.step == pytest.approx(4 * t_last + t_first + dp)
+    assert p.bubble == pytest.approx(t_first)
     assert p.exposed["dp"] == pytest.approx(dp)
+    assert p.last_stage == pytest.approx(head / 2 / 1e12 / 2)  # its output layer above the stages' mean
+    parts = p.compute + p.last_stage + p.bubble + sum(p.exposed.values()) + p.unfused + p.optimizer
+    assert p.step == pytest.approx(parts)
     overlapped = parse_args(f"{TINY} --global-batch-size 8 --vocab-size 128 --overlap-grad-reduce".split())
     assert predict_step(overlapped, layout, _hw(2), 128, n).exposed["dp"] == 0.0  # under 2/3 t_mb
+
+
+def test_a_measured_sweep_prices_its_group_size_and_alpha_beta_the_others() -> None:
+    """Between two measured sizes the time is interpolated, below them the smallest's, above them
+    the last segment extended; another operation or group size falls back to alpha-beta."""
+    link = dataclasses.replace(LINK, measured_ranks=2, measured={"all_reduce": ((1024, 1e-3), (4096, 3e-3))})
+    assert collective_seconds("all_reduce", 2, 2048, link) == pytest.approx(1e-3 + 2e-3 / 3)
+    assert collective_seconds("all_reduce", 2, 16, link) == pytest.approx(1e-3)
+    assert collective_seconds("all_reduce", 2, 7168, link) == pytest.approx(5e-3)
+    assert collective_seconds("all_reduce", 4, 2048, link) == collective_seconds("all_reduce", 4, 2048, LINK)
+    assert collective_seconds("send", 2, 2048, link) == collective_seconds("send", 2, 2048, LINK)
+    hw = dataclasses.replace(_hw(), intra_node=link, memory=Link(30e9, 1e-6))
+    back = Hardware.from_dict(hw.to_dict())
+    assert back.intra_node.measured == link.measured and back.memory == hw.memory
 
 
 def test_the_distributed_optimizer_reduce_scatters_and_gathers_instead_of_all_reducing() -> None:
@@ -222,3 +243,17 @@ def test_the_tensor_parallel_step_is_what_a_dry_run_records() -> None:
     # and the two row-parallel biases (2 x 64), the final LayerNorm (2 x 64)
     sp_params = 32 * 64 + 2 * 6 * 64 + 2 * 64
     assert left_out == {("all_reduce", 4): 1, ("all_reduce", 4 * sp_params): 1}
+
+
+def test_the_local_sweep_times_every_collective_the_model_prices() -> None:
+    """Two spawned gloo ranks: each operation of the step model at every size of the sweep,
+    ascending, each a positive time; the model then prices a 2-rank collective from the sweep."""
+    from distlab.gpt.planning.local_cluster import SIZES, measure_link
+
+    link = measure_link(2)
+    assert set(link.measured) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
+    for points in link.measured.values():
+        assert [b for b, _ in points] == SIZES and all(t > 0 for _, t in points)
+    (b0, t0), (b1, t1) = link.measured["all_reduce"][-2:]
+    middle = collective_seconds("all_reduce", 2, (b0 + b1) / 2, link)
+    assert middle == pytest.approx(max((t0 + t1) / 2, link.measured["all_reduce"][0][1]))

@@ -207,9 +207,9 @@ UPDATE_BYTES = 40
 BUCKET_BYTES = 24
 
 
-def optimizer_seconds(updated: float, bucketed: float, elementwise: Link) -> float:
+def optimizer_seconds(updated: float, bucketed: float, memory: Link) -> float:
     """The step's memory-bound work after backward, per rank: ``updated`` parameters normed,
     clipped and updated (the stage's, or the distributed optimizer's shard of them), ``bucketed``
     ones copied through the gradient buckets. Per-kernel latencies (a few kernels per tensor) and
     half-precision runs' extra copies are left out."""
-    return (UPDATE_BYTES * updated + BUCKET_BYTES * bucketed) / elementwise.bandwidth
+    return (UPDATE_BYTES * updated + BUCKET_BYTES * bucketed) / memory.bandwidth

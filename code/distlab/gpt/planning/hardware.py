@@ -14,12 +14,21 @@ measures a collective's bus bandwidth (``distlab.comm.bench``) and notebook 04 t
                          bytes read + written): what unfused work costs, as the engine's ring
                          attention and expert permutation run it (measured locally; absent from
                          the GPU files, whose fused kernels the achieved fraction describes)
+    memory               (optional) a streaming copy's latency and bandwidth: what the update's
+                         passes over every parameter cost (fused AdamW streams at about this rate)
+
+A measured link may also carry its sweep (``measured``: per operation, (bytes, seconds) points
+over ``measured_ranks`` ranks, as notebook 02's sweeps): a collective of that group size then
+costs the sweep's time at its size, interpolated, instead of alpha + bytes / bandwidth. Gloo's
+algorithms change with the size (a 512 KiB all-reduce here takes twice what a line through
+1 KiB and 8 MiB gives), which two figures cannot describe.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FILES = Path(__file__).parent / "machines"
@@ -27,10 +36,31 @@ FILES = Path(__file__).parent / "machines"
 
 @dataclass(frozen=True)
 class Link:
-    """A collective's cost over this link: ``latency + factor(p) x bytes / bandwidth``."""
+    """A collective's cost over this link: ``latency + factor(p) x bytes / bandwidth``, or its
+    measured sweep's time (``measured``) for a group of ``measured_ranks`` ranks."""
 
     bandwidth: float  # bytes/s of bus bandwidth per device
     latency: float  # s per collective (alpha)
+    measured_ranks: int = 0
+    # op -> ((bytes, seconds), ...) ascending in bytes; the whole buffer, as nccl-tests' size
+    measured: dict[str, tuple[tuple[float, float], ...]] = field(
+        default_factory=dict, hash=False, compare=False
+    )
+
+    def measured_seconds(self, op: str, n: int, nbytes: float) -> float | None:
+        """The sweep's seconds for ``op`` of ``nbytes`` over ``n`` ranks: linear between the two
+        measured sizes around it, the smallest's time below them, the last segment extended above;
+        None when the sweep has no such operation or group size."""
+        points = self.measured.get(op) if n == self.measured_ranks else None
+        if not points:
+            return None
+        if nbytes <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        i = min(bisect.bisect_left([b for b, _ in points], nbytes), len(points) - 1)
+        (b0, t0), (b1, t1) = points[i - 1], points[i]
+        return max(
+            points[0][1], t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        )  # noise: never below the smallest
 
 
 @dataclass(frozen=True)
@@ -45,6 +75,7 @@ class Hardware:
     flash_attention: bool = True  # fused attention skips causal attention's masked half (GPUs)
     source: str = ""
     elementwise: Link | None = None  # one memory-bound kernel: latency + bytes / bandwidth
+    memory: Link | None = None  # a streaming copy: latency + bytes / bandwidth
 
     @property
     def achieved_flops(self) -> float:
@@ -53,7 +84,13 @@ class Hardware:
     @classmethod
     def from_dict(cls, d: dict) -> Hardware:
         def link(x: dict) -> Link:
-            return Link(x["bandwidth_gbps"] * 1e9, x["latency_us"] * 1e-6)
+            sweep = x.get("measured", {})
+            return Link(
+                x["bandwidth_gbps"] * 1e9,
+                x["latency_us"] * 1e-6,
+                sweep.get("ranks", 0),
+                {op: tuple((b, t) for b, t in pts) for op, pts in sweep.get("seconds", {}).items()},
+            )
 
         return cls(
             name=d["name"],
@@ -66,11 +103,16 @@ class Hardware:
             flash_attention=d.get("flash_attention", True),
             source=d.get("source", ""),
             elementwise=link(d["elementwise"]) if "elementwise" in d else None,
+            memory=link(d["memory"]) if "memory" in d else None,
         )
 
     def to_dict(self) -> dict:
         def link(x: Link) -> dict:
-            return {"bandwidth_gbps": x.bandwidth / 1e9, "latency_us": x.latency * 1e6}
+            out = {"bandwidth_gbps": x.bandwidth / 1e9, "latency_us": x.latency * 1e6}
+            if x.measured:
+                seconds = {op: [list(p) for p in pts] for op, pts in x.measured.items()}
+                out["measured"] = {"ranks": x.measured_ranks, "seconds": seconds}
+            return out
 
         return {
             "name": self.name,
@@ -82,7 +124,7 @@ class Hardware:
             "inter_node": link(self.inter_node),
             "flash_attention": self.flash_attention,
             "source": self.source,
-        } | ({"elementwise": link(self.elementwise)} if self.elementwise else {})
+        } | {k: link(v) for k, v in (("elementwise", self.elementwise), ("memory", self.memory)) if v}
 
 
 def load(name: str | Path) -> Hardware:

@@ -3,12 +3,12 @@
 Notebook 04 measures the GEMM peak a job's ranks can reach (``training/flops.measure_gemm_tflops``:
 large fp32 matrix products with the threads a rank computes with); notebook 02 times collectives
 over gloo and reports nccl-tests' bus bandwidth (``distlab.comm.bench``). :func:`measure_local`
-does both at a smaller scale: the GEMM rate of one rank's threads, and an all-reduce among
-``ranks`` spawned gloo ranks at a small size (its time is the latency, alpha) and a large one
-(bus bandwidth = 2 (n - 1) / n x bytes / (time - alpha)), and one memory-bound kernel the same way
-(:func:`measure_elementwise`: an fp32 exp, softmax's kernel, on a few elements and on a block the
-size of a ring-attention score block). Both nodes of the course's cluster are
-this machine (loopback), so one link serves inside and between "nodes".
+does both at a smaller scale: the GEMM rate of one rank's threads; a sweep of the collectives the
+step model prices (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) among ``ranks``
+spawned gloo ranks from 1 KiB to 16 MiB, kept whole in the link (:func:`measure_link`; alpha and a
+bus bandwidth from its ends, for other group sizes); an fp32 exp, softmax's kernel, and a copy
+(:func:`measure_kernel`: the unfused passes' and the optimizer's rates). Both nodes of the course's
+cluster are this machine (loopback), so one link serves inside and between "nodes".
 
 A CPU step of a small model stays far below the GEMM rate (small matrices, attention, the Python
 around them): :func:`calibrate` takes the fraction of that rate a step reaches from one measured
@@ -24,6 +24,7 @@ import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,11 +38,27 @@ from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.training.flops import measure_gemm_tflops
 from distlab.local_ranks import free_port, spawn_ranks
 
-SMALL, LARGE = 1024, 8 * 2**20  # bytes of the all-reduces that give alpha and the bandwidth
+#: Bytes of the swept collectives, 1 KiB to 16 MiB by 4 (the local layouts' messages: 2 KiB of a loss
+#: all-reduce to 17 MB of the tiny GPT's gradients), and what each sweeps in the step model's names.
+SIZES = [2**10 * 4**i for i in range(8)]
+SWEPT = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "send": "sendrecv",
+}
 TINY, BLOCK = 16, 2**16  # fp32 elements of the exps that give a kernel's latency and the bandwidth
+STREAM = 2**22  # fp32 elements of the copy that gives the memory bandwidth (16 MiB: out of the caches)
 
 
-def _time_all_reduce(rank: int, world: int, port: int, out: str) -> None:
+def _all_to_all(count: int):
+    import torch.distributed as dist
+
+    out, inp = torch.zeros(count), torch.zeros(count)
+    return lambda: dist.all_to_all_single(out, inp)
+
+
+def _time_collectives(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from distlab.local_ranks import torchrun_env
@@ -50,8 +67,12 @@ def _time_all_reduce(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        cpu = torch.device("cpu")
-        times = [time_op(make_op("all_reduce", n // 4, cpu), cpu, 2, 20, 1.0)[0] for n in (SMALL, LARGE)]
+        cpu, times = torch.device("cpu"), {}
+        for name, op in [*SWEPT.items(), ("all_to_all", None)]:
+            calls = [make_op(op, n // 4, cpu) if op else _all_to_all(n // 4) for n in SIZES]
+            times[name] = [
+                (n, time_op(call, cpu, 1, 20, 0.05)[0]) for n, call in zip(SIZES, calls, strict=True)
+            ]
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -59,45 +80,52 @@ def _time_all_reduce(rank: int, world: int, port: int, out: str) -> None:
 
 
 def measure_link(ranks: int = 2) -> Link:
-    """alpha and bus bandwidth of a gloo all-reduce among ``ranks`` local processes."""
+    """A gloo sweep among ``ranks`` local processes: all-reduce, all-gather, reduce-scatter,
+    all-to-all and send/recv at :data:`SIZES` (the link's ``measured`` points); alpha is the
+    smallest all-reduce's time, the bus bandwidth that of the largest after alpha."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "times.json"))
-        spawn_ranks(_time_all_reduce, (ranks, free_port(), out), ranks)
-        small, large = json.loads(Path(out).read_text())
-    factor = BUS_FACTOR["all_reduce"](ranks)
-    return Link(bandwidth=factor * LARGE / max(large - small, 1e-9), latency=small)
+        spawn_ranks(_time_collectives, (ranks, free_port(), out), ranks)
+        times = json.loads(Path(out).read_text())
+    (_, alpha), *_, (large, t) = times["all_reduce"]
+    bandwidth = BUS_FACTOR["all_reduce"](ranks) * large / max(t - alpha, 1e-9)
+    return Link(bandwidth, alpha, ranks, {op: tuple((b, s) for b, s in pts) for op, pts in times.items()})
 
 
-def measure_elementwise(threads: int = 1, repeats: int = 200) -> Link:
-    """Latency and bandwidth (bytes read + written per second) of an out-of-place fp32 exp with
-    ``threads`` threads: the median time on TINY elements is the latency, on BLOCK elements (a
-    (2, 8, 64, 64) score block, 256 KiB) latency + 8 BLOCK / bandwidth."""
+def measure_kernel(kernel: str = "exp", threads: int = 1, repeats: int = 200) -> Link:
+    """Latency and bandwidth (bytes read + written per second) of one out-of-place fp32 kernel
+    with ``threads`` threads, the median time on :data:`TINY` elements its latency: ``"exp"`` on
+    :data:`BLOCK` elements (a (2, 8, 64, 64) score block, 256 KiB; softmax's kernel, bound by its
+    arithmetic here), or ``"copy"`` on :data:`STREAM` (16 MiB, out of the caches: memory's rate).
+    Bandwidth = 8 elements / (time - latency)."""
+    large = {"exp": BLOCK, "copy": STREAM}[kernel]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         times = []
-        for n in (TINY, BLOCK):
-            x = torch.randn(n)
-            torch.exp(x)  # warm-up
+        for n in (TINY, large):
+            x, y = torch.randn(n), torch.empty(n)
+            call = partial(torch.exp, x, out=y) if kernel == "exp" else partial(y.copy_, x)
+            call()  # warm-up
             runs = []
-            for _ in range(repeats):
+            for _ in range(repeats if n < STREAM else repeats // 10):
                 start = time.perf_counter()
-                torch.exp(x)
+                call()
                 runs.append(time.perf_counter() - start)
             times.append(statistics.median(runs))
     finally:
         torch.set_num_threads(previous)
     small, block = times
-    return Link(bandwidth=8 * BLOCK / max(block - small, 1e-9), latency=small)
+    return Link(bandwidth=8 * large / max(block - small, 1e-9), latency=small)
 
 
 def measure_local(ranks_per_node: int = 2, threads_per_rank: int = 1, memory_gib: float = 4.0) -> Hardware:
     """The local cluster as :class:`Hardware`: one rank's GEMM rate (fp32, ``threads_per_rank``
     threads; achieved fraction 1 of it), the all-reduce link of ``ranks_per_node`` ranks for both
-    links, no flash attention (the engine's CPU attention computes the whole s x s products)."""
+    links (with their sweep), no flash attention (the engine's CPU attention computes the whole
+    s x s products), an exp's and a copy's rates (:func:`measure_kernel`)."""
     tflops = measure_gemm_tflops(torch.device("cpu"), size=512, min_time_s=0.1, threads=threads_per_rank)
     link = measure_link(ranks_per_node)
-    elementwise = measure_elementwise(threads_per_rank)
     return Hardware(
         name=f"local cluster: {ranks_per_node} ranks per node, {threads_per_rank} thread(s) each (measured)",
         gpus_per_node=ranks_per_node,
@@ -108,7 +136,8 @@ def measure_local(ranks_per_node: int = 2, threads_per_rank: int = 1, memory_gib
         inter_node=link,
         flash_attention=False,
         source="measured by planning/local_cluster.measure_local",
-        elementwise=elementwise,
+        elementwise=measure_kernel("exp", threads_per_rank),
+        memory=measure_kernel("copy", threads_per_rank),
     )
 
 

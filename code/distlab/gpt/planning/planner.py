@@ -45,7 +45,8 @@ class Candidate:
         return f"tp {lay.tp} pp {lay.pp}{v} cp {lay.cp} dp {lay.dp} b {lay.micro_batch_size} m {lay.num_micro_batches}"
 
     def why(self) -> str:
-        """Bubble, exposed communication and memory headroom (fits) or what overflows (does not)."""
+        """Bubble, the last stage's extra work, exposed communication and memory headroom (fits) or
+        what overflows (does not)."""
         if not self.fits:
             state, size = max(self.states.items(), key=lambda kv: kv[1])
             return (
@@ -55,8 +56,9 @@ class Candidate:
         p = self.prediction
         comm = {k: v for k, v in p.exposed.items() if v > 0}
         exposed = ", ".join(f"{k} {v:.2f} s" for k, v in comm.items()) or "none"
+        last = f"last stage's output layer +{p.last_stage:.2f} s, " if p.last_stage > 0 else ""
         return (
-            f"bubble {100 * p.bubble_fraction:.0f}% ({p.bubble:.2f} s), exposed communication {exposed}, "
+            f"bubble {100 * p.bubble_fraction:.0f}% ({p.bubble:.2f} s), {last}exposed communication {exposed}, "
             f"memory headroom {(self.budget - self.peak) / GiB:.1f} GiB of {self.budget / GiB:.0f}"
         )
 

@@ -8,17 +8,20 @@ Per device, with W devices, m micro-batches per rank, p pipeline stages, v chunk
                    send/recv 1 (``distlab.comm.bench.BUS_FACTOR``); alpha and bandwidth those of
                    the link the group crosses: inside one node, or between nodes if its ranks
                    lie on more than one (Megatron's tp-cp-dp-pp rank order, ``layout.py``)
-    micro-batch    t_mb = compute / m + tp + pp + ep + exposed cp + unfused   (per micro-batch, this stage)
+    micro-batch    t_mb = compute / m + tp + pp + ep + exposed cp + unfused   (per micro-batch, a stage)
     pipeline       t_mb (m + (p - 1) / v): the bubble is (p - 1) / (v m + p - 1) of it   [convention:
-                   the fraction of the whole pipelined time, not of the ideal compute]
+                   the fraction of the whole pipelined time, not of the ideal compute]; the last
+                   stage also runs the output layer (6 B s h V FLOPs, 22% of a 4-layer GPT with
+                   h 256 and V 4096): 1F1B takes the sum of the stages' t_mb plus (m - 1) times
+                   the slowest's, t_last m + (p - 1) t_other / v
     step           pipeline + exposed data-parallel communication + optimizer
 
 The FLOPs executed are the model FLOPs plus what ``engine_work.py`` counts: the experts' k MLPs per
 token and the router; without fused attention (this engine's ring) the ring's 2 cp + 1 blocks with
 the backward's recomputed scores in place of the counted attention. Hardware with an
 ``elementwise`` figure (the local machine) also pays the ring's and the expert permutation's
-unfused passes, as bytes / bandwidth + kernels x latency, and the update's (gradient norm,
-clipping, AdamW, the buckets' copies: ``engine_work.optimizer_seconds``).
+unfused passes, as bytes / bandwidth + kernels x latency; with a ``memory`` figure, the update's
+(gradient norm, clipping, AdamW, the buckets' copies: ``engine_work.optimizer_seconds``).
 
 Which communication is hidden: tensor-parallel (and expert dispatch) collectives sit between
 GEMMs and are counted in full; a context-parallel K/V round is hidden under one ring step's
@@ -61,16 +64,20 @@ from distlab.gpt.distributed.grad_buckets import default_bucket_size
 from distlab.gpt.layout import Layout
 from distlab.gpt.planning import engine_work as work
 from distlab.gpt.planning.hardware import Hardware, Link
-from distlab.gpt.training.flops import model_flops_per_iteration, recomputed_layers
+from distlab.gpt.training.flops import model_flops_per_iteration, output_layer_flops, recomputed_layers
 
 #: Bus factor of each operation over n ranks (send and recv move their bytes once).
 FACTOR = {**BUS_FACTOR, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}
 
 
 def collective_seconds(op: str, n: int, nbytes: float, link: Link) -> float:
-    """alpha + factor(n) x bytes / bandwidth; 0 for a group of one rank."""
+    """alpha + factor(n) x bytes / bandwidth, or the link's measured sweep at this size where it has
+    one for ``op`` over ``n`` ranks (``Link.measured_seconds``); 0 for a group of one rank."""
     if n <= 1:
         return 0.0
+    measured = link.measured_seconds(op, n, nbytes)
+    if measured is not None:
+        return measured
     return link.latency + FACTOR[op](n) * nbytes / link.bandwidth
 
 
@@ -131,6 +138,9 @@ class StepPrediction:
     costs: list[Cost] = field(default_factory=list)
     unfused: float = 0.0  # memory-bound passes (ring attention, expert permutation), not communication
     optimizer: float = 0.0  # the update's memory-bound passes (norm, clipping, AdamW, buckets)
+    # the last stage's compute above the stages' mean (its output layer), m x head (1 - 1/p): the
+    # others wait for it; step = compute + last_stage + bubble + exposed + unfused + optimizer
+    last_stage: float = 0.0
 
 
 def predict_step(
@@ -187,9 +197,12 @@ def predict_step(
             unfused += layers * work.permute_unfused_seconds(args, layout, hw.elementwise)
     per_mb = {d: sum(c.seconds for c in costs if c.dim == d) for d in ("tp", "pp", "ep")}
     per_mb["cp"] = exposed_cp
-    compute_mb = compute / m
-    t_mb = compute_mb + sum(per_mb.values()) + unfused
-    pipeline = t_mb * (m + (pp - 1) / v)
+    # the last stage also runs the output layer (the first's embedding is a lookup): per micro-batch
+    head = output_layer_flops(args, vocab_size) / (W / pp) / hw.achieved_flops / m if pp > 1 else 0.0
+    head_comm = sum(c.seconds for c in costs if c.what == "head")
+    t_other = (compute - head * m / pp) / m + sum(per_mb.values()) - head_comm + unfused
+    t_mb = t_other + head + head_comm  # the last stage's, the pipeline's slowest
+    pipeline = t_mb * m + (pp - 1) * t_other / v  # 1F1B: sum of the stages + (m - 1) x the slowest
     experts = work.expert_parameters(args, layout)  # reduced over their own group, in one flat all-reduce
     dp_costs = _data_parallel_costs(args, layout, hw, parameters_per_rank - experts, distributed_optimizer, m)
     edp = layout.expert_data_size // layout.ep
@@ -204,11 +217,11 @@ def predict_step(
         hidden = 2 / 3 * t_mb if args.overlap_grad_reduce else 0.0
     exposed_dp = max(0.0, dp_time - hidden)
     optimizer = 0.0
-    if hw.elementwise is not None:  # the update's memory-bound passes (GPU files: not modelled)
+    if hw.memory is not None:  # the update's memory-bound passes (GPU files: not modelled)
         d = layout.dp * layout.cp
         dense = parameters_per_rank - experts
         updated = dense / d + experts / max(1, edp) if distributed_optimizer else parameters_per_rank
-        optimizer = work.optimizer_seconds(updated, dense if d > 1 else 0.0, hw.elementwise)
+        optimizer = work.optimizer_seconds(updated, dense if d > 1 else 0.0, hw.memory)
     step = pipeline + exposed_dp + optimizer
     tokens = args.global_batch_size * args.seq_length
     F_causal = F - attention_flops(args) / 2
@@ -224,6 +237,7 @@ def predict_step(
         costs=costs + dp_costs,
         unfused=unfused * m,
         optimizer=optimizer,
+        last_stage=head * m * (1 - 1 / pp),
     )
 
 

@@ -89,13 +89,20 @@ def layer_forward_flops_per_token(args: PretrainArgs) -> float:
     return 2 * h * (q_width + 2 * kv_width) + 4 * s * q_width + 2 * q_width * h + 2 * h * ffn * matrices
 
 
+def output_layer_flops(args: PretrainArgs, vocab_size: int) -> float:
+    """The logit layer's forward + backward FLOPs of one global batch, ``6 B s h V`` (never
+    recomputed; on the last pipeline stage)."""
+    return 6.0 * args.global_batch_size * args.seq_length * args.hidden_size * vocab_size
+
+
 def model_flops_per_iteration(args: PretrainArgs, vocab_size: int) -> float:
     """Forward + backward FLOPs of one global batch: ``B s ((3 l + r) f + 6 h V)``, ``f`` one
     block's forward per token (:func:`layer_forward_flops_per_token`), ``r`` =
     :func:`recomputed_layers`; for GPT-2 ``24 B s h^2 (1 + s/(6h)) (3 l + r) + 6 B s h V``."""
-    B, s, layers, h = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size
+    B, s, layers = args.global_batch_size, args.seq_length, args.num_layers
     r = recomputed_layers(args)
-    return float(B * s) * ((3 * layers + r) * layer_forward_flops_per_token(args) + 6.0 * h * vocab_size)
+    blocks = float(B * s) * (3 * layers + r) * layer_forward_flops_per_token(args)
+    return blocks + output_layer_flops(args, vocab_size)
 
 
 def flops_line(args: PretrainArgs, vocab_size: int) -> str:
