@@ -12,6 +12,7 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.planning import engine_work as work
 from distlab.gpt.planning.hardware import Hardware, Link, load
 from distlab.gpt.planning.step_model import predict_step
+from distlab.gpt.training.flops import model_flops_per_iteration
 
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --lr 1e-3"
@@ -50,13 +51,19 @@ def test_ring_unfused_seconds_by_hand() -> None:
     assert work.ring_unfused_seconds(1, 2, 4, 8, 2, link) == pytest.approx(142e-6 + nbytes / 1e9)
 
 
-def test_the_experts_execute_k_mlps_and_the_router() -> None:
-    """Top-2 of 4 GeLU experts of F = 4H: per token and layer forward (2 - 1) x 2 x 64 x 256 x 2
-    more than the dense MLP, plus the router's 2 x 64 x 4; forward + backward x 3, B s = 4 x 32."""
-    args = parse_args(f"{TINY} --global-batch-size 4 {MOE}".split())
-    per_token = 1 * 2 * 64 * 256 * 2 + 2 * 64 * 4
-    assert work.expert_extra_flops(args) == 4 * 32 * 3 * 2 * per_token
-    assert work.expert_extra_flops(parse_args(f"{TINY} --global-batch-size 4".split())) == 0.0
+def test_the_model_flops_count_k_experts_and_the_router_is_executed_beside_them() -> None:
+    """Top-2 of 4 GeLU experts of F = 4H: per token and layer forward the model FLOPs count the MLP
+    twice, 2 x (2 x 64 x 256 x 2) more than one dense MLP (Megatron-LM's num_experts_routed_to);
+    the router's 2 x 64 x 4 is executed on top; forward + backward x 3, B s = 4 x 32, 2 layers."""
+    moe = parse_args(f"{TINY} --global-batch-size 4 {MOE}".split())
+    dense = parse_args(f"{TINY} --global-batch-size 4".split())
+    extra_mlp = 1 * 2 * 64 * 256 * 2
+    assert (
+        model_flops_per_iteration(moe, 128) - model_flops_per_iteration(dense, 128)
+        == 4 * 32 * 3 * 2 * extra_mlp
+    )
+    assert work.router_flops(moe) == 4 * 32 * 3 * 2 * (2 * 64 * 4)
+    assert work.router_flops(dense) == 0.0
 
 
 def test_the_dispatchers_collectives_by_hand() -> None:

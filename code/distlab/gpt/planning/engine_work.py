@@ -25,8 +25,8 @@ gradient accumulator. K/V rounds are posted before a step's blocks and waited af
 engine waits for a gradient round as soon as it is posted.
 
 **Experts** (``moe/``): every block's MLP is E experts of the dense MLP's shape, each token goes to
-k of them (``--moe-router-topk``), so the experts execute k MLPs per token where the model FLOPs
-count one, plus the router's 2 H E (Megatron-LM's ``moe_layer_flops`` counts the k). Per layer and
+k of them (``--moe-router-topk``); the model FLOPs count the k MLPs (``training/flops.py``, as
+Megatron-LM), not the router's 2 H E per token, which the experts also execute. Per layer and
 micro-batch of N tokens (R = k N routed pairs, bytes of the run's dtype), over the G = tp x ep
 ranks of the expert group::
 
@@ -119,19 +119,12 @@ def ring_round_bytes(args: PretrainArgs, layout: Layout, fused: bool) -> tuple[f
     return elements * act, elements * (act if fused else 4)
 
 
-def expert_extra_flops(args: PretrainArgs) -> float:
-    """FLOPs the experts execute beyond the one dense MLP per token the model FLOPs count:
-    ``B s (3 l + r) ((k - 1) 2 H F m + 2 H E)`` (m = 3 matrices with SwiGLU, else 2)."""
+def router_flops(args: PretrainArgs) -> float:
+    """The router's FLOPs in one step, which the model FLOPs leave out: ``B s (3 l + r) 2 H E``."""
     if args.num_experts is None:
         return 0.0
-    H, F = args.hidden_size, args.ffn_hidden_size or 4 * args.hidden_size
-    mlp = 2 * H * F * (3 if args.swiglu else 2)
-    per_token = (args.moe_router_topk - 1) * mlp + 2 * H * args.num_experts
-    return (
-        float(args.global_batch_size * args.seq_length)
-        * (3 * args.num_layers + recomputed_layers(args))
-        * per_token
-    )
+    blocks = 3 * args.num_layers + recomputed_layers(args)
+    return float(args.global_batch_size * args.seq_length) * blocks * 2 * args.hidden_size * args.num_experts
 
 
 def dispatch_collectives(args: PretrainArgs, layout: Layout) -> list[tuple[str, float, int]]:

@@ -70,8 +70,10 @@ def _time_collectives(rank: int, world: int, port: int, out: str) -> None:
         cpu, times = torch.device("cpu"), {}
         for name, op in [*SWEPT.items(), ("all_to_all", None)]:
             calls = [make_op(op, n // 4, cpu) if op else _all_to_all(n // 4) for n in SIZES]
+            # the median of three rounds: one slow round (another process ran) must not set a price
             times[name] = [
-                (n, time_op(call, cpu, 1, 20, 0.05)[0]) for n, call in zip(SIZES, calls, strict=True)
+                (n, statistics.median(time_op(call, cpu, 1, 20, 0.02)[0] for _ in range(3)))
+                for n, call in zip(SIZES, calls, strict=True)
             ]
     finally:
         dist.destroy_process_group()
@@ -81,7 +83,8 @@ def _time_collectives(rank: int, world: int, port: int, out: str) -> None:
 
 def measure_link(ranks: int = 2) -> Link:
     """A gloo sweep among ``ranks`` local processes: all-reduce, all-gather, reduce-scatter,
-    all-to-all and send/recv at :data:`SIZES` (the link's ``measured`` points); alpha is the
+    all-to-all and send/recv at :data:`SIZES` (the link's ``measured`` points, each the median of
+    three rounds of up to 20 calls); alpha is the
     smallest all-reduce's time, the bus bandwidth that of the largest after alpha."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "times.json"))

@@ -16,8 +16,8 @@ Per device, with W devices, m micro-batches per rank, p pipeline stages, v chunk
                    the slowest's, t_last m + (p - 1) t_other / v
     step           pipeline + exposed data-parallel communication + optimizer
 
-The FLOPs executed are the model FLOPs plus what ``engine_work.py`` counts: the experts' k MLPs per
-token and the router; without fused attention (this engine's ring) the ring's 2 cp + 1 blocks with
+The FLOPs executed are the model FLOPs (with the experts' k MLPs per token) plus what
+``engine_work.py`` counts: the router; without fused attention (this engine's ring) the ring's 2 cp + 1 blocks with
 the backward's recomputed scores in place of the counted attention. Hardware with an
 ``elementwise`` figure (the local machine) also pays the ring's and the expert permutation's
 unfused passes, as bytes / bandwidth + kernels x latency; with a ``memory`` figure, the update's
@@ -158,7 +158,7 @@ def predict_step(
     act = work.act_bytes(args)
     F = model_flops_per_iteration(args, vocab_size)
     fused = hw.flash_attention
-    executed = F + work.expert_extra_flops(args)
+    executed = F + work.router_flops(args)
     if fused:
         executed -= attention_flops(args) / 2
     elif layout.cp > 1:

@@ -19,6 +19,10 @@ with n query heads of d channels and g K/V groups the qkv GEMM is ``2 H (n + 2g)
 smaller K and V), attention ``4 s n d``, the projection ``2 n d H``; SwiGLU's MLP has three F x H
 matrices, ``6 H F``, against GeLU's ``4 H F``; an untied output layer costs what the tied one
 does (``2 H V``). RMSNorm, RoPE and the gating are elementwise, not counted (as Megatron).
+**Mixture of experts** (``--num-experts``): each token runs the MLPs of the k experts it is routed
+to (``--moe-router-topk``), so an MoE block's MLP term counts k times, as Megatron-LM's
+``transformer_flops`` counts ``num_experts_routed_to = moe_router_topk``; the router's ``2 H E``
+is not counted (nor by Megatron).
 
 **Causal attention is counted in full** (``s/(6h)``): Q K^T and the scores times V are computed as
 whole ``s x s`` products by both attention backends, and PyTorch's FLOP counter counts them so
@@ -78,15 +82,17 @@ def layer_forward_flops_per_token(args: PretrainArgs) -> float:
     """One block's forward FLOPs per token: ``2 H (n + 2g) d`` (qkv) + ``4 s n d`` (Q K^T and the
     scores times V, in full) + ``2 n d H`` (projection) + ``2 H F`` x 2 matrices (GeLU) or x 3
     (SwiGLU's gate, up and down), as Megatron-LM's ``transformer_flops`` counts grouped-query
-    attention and SwiGLU. GPT-2 (g = n, n d = H, F = 4H): ``24 H^2 + 4 s H``. ``args`` validated
-    (``--ffn-hidden-size`` filled in; 4H otherwise)."""
+    attention and SwiGLU; with experts the MLP term k times (top-k routing). GPT-2 (g = n, n d = H,
+    F = 4H): ``24 H^2 + 4 s H``. ``args`` validated (``--ffn-hidden-size`` filled in; 4H otherwise)."""
     h, s = args.hidden_size, args.seq_length
     q_width = h if args.kv_channels is None else args.kv_channels * args.num_attention_heads  # n d
     kv_width = q_width  # g d
     if args.group_query_attention:
         kv_width = args.num_query_groups * (args.kv_channels or h // args.num_attention_heads)
     ffn, matrices = args.ffn_hidden_size or 4 * h, 3 if args.swiglu else 2
-    return 2 * h * (q_width + 2 * kv_width) + 4 * s * q_width + 2 * q_width * h + 2 * h * ffn * matrices
+    routed = args.moe_router_topk if args.num_experts is not None else 1  # experts each token runs
+    mlp = 2 * h * ffn * matrices * routed
+    return 2 * h * (q_width + 2 * kv_width) + 4 * s * q_width + 2 * q_width * h + mlp
 
 
 def output_layer_flops(args: PretrainArgs, vocab_size: int) -> float:
