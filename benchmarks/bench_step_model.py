@@ -14,7 +14,7 @@ from its GEMM peak), then the other 21 of
 with the alltoall and the allgather dispatcher; 1 to 8 micro-batches) each train ``--iters``
 iterations on mock data; the median iteration after the first is compared with the prediction.
 Prints the table (with where the predicted step goes) and the median absolute error over the 21
-(the issue's target: at most 15% over at least 20). About 6 to 12 minutes on the 2-core machine;
+(the issue's target: at most 15% over at least 20). About 5 minutes on the quiet 2-core machine;
 timings of a shared machine are noisy (quote ``uptime`` with the figures)::
 
     python benchmarks/bench_step_model.py --local [--iters 6]
