@@ -75,9 +75,10 @@ def measured_step(argv: list[str], world: int) -> float:
 
 
 def where(p: StepPrediction) -> str:
-    """The predicted step's exposed communication and bubble, in ms."""
+    """The predicted step's exposed communication, bubble and last stage's extra, in ms."""
     parts = [f"{k} {1000 * v:.1f}" for k, v in p.exposed.items() if v > 0]
-    return ", ".join(parts + ([f"bubble {1000 * p.bubble:.1f}"] if p.bubble > 0 else [])) or "none"
+    parts += [f"{k} {1000 * v:.1f}" for k, v in (("bubble", p.bubble), ("last stage", p.last_stage)) if v > 0]
+    return ", ".join(parts) or "none"
 
 
 def run_local(iters: int) -> None:

@@ -17,8 +17,8 @@ Per device, with W devices, m micro-batches per rank, p pipeline stages, v chunk
     step           pipeline + exposed data-parallel communication + optimizer
 
 The FLOPs executed are the model FLOPs (with the experts' k MLPs per token) plus what
-``engine_work.py`` counts: the router; without fused attention (this engine's ring) the ring's 2 cp + 1 blocks with
-the backward's recomputed scores in place of the counted attention. Hardware with an
+``engine_work.py`` counts: the router; without fused attention (this engine's ring) the ring's
+2 cp + 1 blocks with the backward's recomputed scores in place of the counted attention. Hardware with an
 ``elementwise`` figure (the local machine) also pays the ring's and the expert permutation's
 unfused passes, as bytes / bandwidth + kernels x latency; with a ``memory`` figure, the update's
 (gradient norm, clipping, AdamW, the buckets' copies: ``engine_work.optimizer_seconds``).
