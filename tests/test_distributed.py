@@ -179,6 +179,16 @@ def test_cpu_threads_are_capped(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_ranks_of_nodes_on_one_machine_share_its_cores():
+    """The local cluster's nodes are one machine (its site profile says so): one rank on each of
+    two nodes is two ranks on these cores; elsewhere only the node's own ranks count."""
+    local = {"LAB_NODES_SHARE_CORES": "1", "SLURM_JOB_NUM_NODES": "2"}
+    assert rank_process.ranks_sharing_cores(1, local) == 2
+    assert rank_process.ranks_sharing_cores(2, local) == 4
+    assert rank_process.ranks_sharing_cores(1, {"SLURM_JOB_NUM_NODES": "2"}) == 1
+    assert rank_process.ranks_sharing_cores(2, {"LAB_NODES_SHARE_CORES": "1"}) == 2  # not a Slurm job
+
+
 def _srun_task(task: int, port: int, out: str) -> None:
     os.environ.update(
         {

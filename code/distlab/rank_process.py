@@ -24,13 +24,24 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def ranks_sharing_cores(local_world_size: int, env: Mapping[str, str] | None = None) -> int:
+    """The ranks that run on this machine's cores: the node's (``local_world_size``), times the
+    job's nodes where the site says that its nodes are one machine (``LAB_NODES_SHARE_CORES=1``:
+    the local cluster's two nodes on loopback addresses)."""
+    env = os.environ if env is None else env
+    nodes = int(env.get("SLURM_JOB_NUM_NODES", "1") or 1) if env.get("LAB_NODES_SHARE_CORES") == "1" else 1
+    return max(local_world_size, 1) * max(nodes, 1)
+
+
 def cap_cpu_threads(local_world_size: int) -> str:
     """Cap intra-op threads to this rank's share of the usable cores; return what was done.
 
     Cluster scripts often export ``OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK``, which on the local
-    cluster is far above the real cores and makes every rank fight for them.
+    cluster is far above the real cores and makes every rank fight for them. The share counts the
+    ranks of every node that runs on these cores (:func:`ranks_sharing_cores`): one rank on each of
+    the local cluster's two nodes gets half the machine each, not all of it twice.
     """
-    share = max(1, usable_cpus() // max(local_world_size, 1))
+    share = max(1, usable_cpus() // ranks_sharing_cores(local_world_size))
     asked = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     threads = min(asked, share) if asked else share
     torch.set_num_threads(threads)
