@@ -83,25 +83,26 @@ def rank_pids(job: Job, expected: int | None = None, timeout: float = 60) -> dic
         time.sleep(0.5)
 
 
-def kill_node(job: Job, node: str | None = None, sig: str = "KILL", after_iteration: int = 0) -> str:
-    """Once the log shows ``after_iteration`` (at once without it), signal every process of ``job``
-    on ``node`` (default: the job's last node), as the node's loss would end them: its ``torchrun``
-    agent and that agent's workers at once. Returns the line of what was killed. The first node runs
-    the batch script (and here the rendezvous store): losing it ends the job whatever torchrun does."""
+def kill_node(
+    job: Job, node: str | None = None, sig: str = "KILL", after_iteration: int = 0
+) -> subprocess.Popen:
+    """Start a step in ``job`` on ``node`` (default: the job's last node) that, once the log shows
+    ``after_iteration`` (at once without it), signals every process of the job there, as the node's
+    loss would end them: its ``torchrun`` agent and that agent's workers at once. Returns it running
+    (``.communicate()`` gives the line of what was killed), so that two jobs' losses can be armed
+    before either happens. The first node runs the batch script (and here the rendezvous store):
+    losing it ends the job whatever torchrun does."""
     wait_for_state(job, {"RUNNING"})
     if node is None:
         listed = subprocess.run(["scontrol", "show", "hostnames", refresh(job).nodes], capture_output=True,
                                 text=True, check=True)  # fmt: skip
         node = listed.stdout.split()[-1]
-    out = subprocess.run(
+    return subprocess.Popen(
         ["srun", f"--jobid={job.id}", "--overlap", "-N1", "-n1", f"--nodelist={node}", "--cpus-per-task=1",
          sys.executable, "-m", "distlab.fault_agent", "kill-node", "--job", str(job.id), "--signal", sig,
          "--after-iteration", str(after_iteration), "--log", str(job.log_path)],
-        capture_output=True, text=True, timeout=600, env=_step_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_step_env(),
     )  # fmt: skip
-    if out.returncode:
-        raise RuntimeError(f"srun --overlap into job {job.id} on {node} failed: {out.stderr.strip()}")
-    return out.stdout.strip()
 
 
 def inject(job: Job, rank: int, sig: str = "KILL", after_iteration: int = 0) -> subprocess.Popen:
