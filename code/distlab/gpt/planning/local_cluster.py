@@ -84,8 +84,8 @@ def _time_collectives(rank: int, world: int, port: int, out: str) -> None:
 def measure_link(ranks: int = 2) -> Link:
     """A gloo sweep among ``ranks`` local processes: all-reduce, all-gather, reduce-scatter,
     all-to-all and send/recv at :data:`SIZES` (the link's ``measured`` points, each the median of
-    three rounds of up to 20 calls); alpha is the
-    smallest all-reduce's time, the bus bandwidth that of the largest after alpha."""
+    three rounds of up to 20 calls); alpha is the smallest all-reduce's time, the bus bandwidth
+    that of the largest after alpha."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "times.json"))
         spawn_ranks(_time_collectives, (ranks, free_port(), out), ranks)
