@@ -20,8 +20,8 @@ measures a collective's bus bandwidth (``distlab.comm.bench``) and notebook 04 t
 A measured link may also carry its sweep (``measured``: per operation, (bytes, seconds) points
 over ``measured_ranks`` ranks, as notebook 02's sweeps): a collective of that group size then
 costs the sweep's time at its size, interpolated, instead of alpha + bytes / bandwidth. Gloo's
-algorithms change with the size (a 512 KiB all-reduce here takes twice what a line through
-1 KiB and 8 MiB gives), which two figures cannot describe.
+algorithms change with the size (a 512 KiB all-reduce here takes 1.5 to 1.8 times what a line
+through 1 KiB and 8 MiB gives), which two figures cannot describe.
 """
 
 from __future__ import annotations
@@ -58,9 +58,8 @@ class Link:
             return points[0][1]
         i = min(bisect.bisect_left([b for b, _ in points], nbytes), len(points) - 1)
         (b0, t0), (b1, t1) = points[i - 1], points[i]
-        return max(
-            points[0][1], t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
-        )  # noise: never below the smallest
+        between = t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        return max(points[0][1], between)  # a noisy last segment must not extend below the smallest
 
 
 @dataclass(frozen=True)
