@@ -36,6 +36,8 @@ from distlab.gpt.build import model_config
 from distlab.gpt.data.tokenizer import GPT2BPETokenizer
 from distlab.gpt.inference import course_checkpoint, hf_checkpoint
 from distlab.gpt.inference.architecture import ConversionError
+from distlab.gpt.layout import Layout
+from distlab.gpt.model_layout import ModelShape, model_layout_errors
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 
 
@@ -95,7 +97,7 @@ def from_hf(opts: argparse.Namespace) -> str:
     folder = course_checkpoint.write_release(opts.save, args, cfg, full)
     flags = " ".join(flag for k, v in shape.items() if "dropout" not in k and (flag := as_flag(k, v)))
     if shape.get("num_experts") and tp > 1:
-        flags += " --sequence-parallel"  # MoE with tp trains with SP (moe_layer.tensor_parallel_error)
+        flags += " --sequence-parallel"  # MoE with tp trains with SP (model_layout.moe_needs_sp)
     return (
         f"> {hf.arch.hf_class} from {opts.load} -> {folder} (release, tp {tp} x pp {pp}, padded vocabulary "
         f"{vocab} from {rows} rows)\n> continue it with: pretrain_gpt.py --load {opts.save} {flags} "
@@ -131,20 +133,18 @@ def target_vocabulary(hf: hf_checkpoint.HFCheckpoint, divisible_by: int, tp: int
 
 
 def check_layout(shape: dict, tp: int, pp: int) -> None:
-    """Heads and MLP width split over tp, layers over pp; K/V groups split or replicated over tp."""
-    ffn = shape["ffn_hidden_size"] or 4 * shape["hidden_size"]
-    sizes = (("heads", shape["num_attention_heads"], tp, "tensor"), ("ffn", ffn, tp, "tensor"),
-             ("layers", shape["num_layers"], pp, "pipeline"))  # fmt: skip
-    errors = [
-        f"{what} {n} not divisible by --target-{kind}-parallel-size {p}"
-        for what, n, p, kind in sizes
-        if n % p
-    ]
+    """The model against the target tp x pp, by the engine's own rules (``model_layout.py``)."""
     g = shape.get("num_query_groups") if shape.get("group_query_attention") else None
-    if g is not None and g % tp and tp % g:
-        errors.append(f"K/V heads {g} neither a multiple nor a divisor of --target-tensor-parallel-size {tp}")
-    if errors:
-        raise ConversionError("; ".join(errors))
+    model = ModelShape(num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+                       num_attention_heads=shape["num_attention_heads"], ffn_hidden_size=shape["ffn_hidden_size"],
+                       num_query_groups=g, num_experts=shape.get("num_experts"))  # fmt: skip
+    # MoE with tp trains with sequence parallelism: the continue command adds --sequence-parallel
+    layout = Layout(tp * pp, tp=tp, pp=pp, sequence_parallel=bool(model.num_experts) and tp > 1)
+    if errors := model_layout_errors(model, layout):
+        raise ConversionError(
+            f"--target-tensor-parallel-size {tp} x --target-pipeline-parallel-size {pp} does not split "
+            f"the model: " + "; ".join(errors)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

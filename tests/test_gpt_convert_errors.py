@@ -233,5 +233,6 @@ def test_a_llama_the_course_cannot_compute(
 def test_a_target_layout_that_does_not_split_the_model(hf_folder, tmp_path, capsys, no_weights_read):
     err = convert_fails(capsys, "--from", "hf", "--load", str(hf_folder), "--save", str(tmp_path),
                         "--target-tensor-parallel-size", "3", "--target-pipeline-parallel-size", "4")  # fmt: skip
-    assert "heads 4 not divisible by --target-tensor-parallel-size 3" in err
-    assert "layers 2 not divisible by --target-pipeline-parallel-size 4" in err
+    assert "--target-tensor-parallel-size 3 x --target-pipeline-parallel-size 4 does not split" in err
+    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in err
+    assert "--num-layers 2 is not divisible by --pipeline-model-parallel-size 4" in err

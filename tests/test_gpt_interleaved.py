@@ -29,6 +29,7 @@ from distlab.gpt.memory.memory_estimate import (
     estimate,
     stage_layers_bytes,
 )
+from distlab.gpt.model_layout import ModelShape, check_model_layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.interleaved import Round, interleaved_order, p2p_plan
 from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
@@ -134,8 +135,9 @@ def test_refusals_name_values_and_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="6 micro-batches per step .* not a multiple of 4"):
         Layout(4, pp=4, vp=2, micro_batch_size=1, global_batch_size=6)
     with pytest.raises(ValueError, match="--num-layers 6 is not divisible by .* 2 x 2 virtual stages"):
-        Layout(4, pp=2, vp=2, global_batch_size=4).validate_model(
-            num_layers=6, num_attention_heads=4, hidden_size=32
+        check_model_layout(
+            ModelShape(num_layers=6, hidden_size=32, num_attention_heads=4),
+            Layout(4, pp=2, vp=2, global_batch_size=4),
         )
 
     for name in ("vocab.json", "merges.txt", "d.bin", "d.idx"):
@@ -199,7 +201,7 @@ def test_estimate_of_interleaving(p: int, v: int, m: int) -> None:
     assert chunk_layers_bytes(inter) * v == pytest.approx(stage_layers_bytes(plain))
     assert estimate(inter).parameters == estimate(plain).parameters  # the same L / pp layers
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 4 x 4 virtual stages per rank = 16"):
-        setup(pp=4, vp=4, num_layers=8)
+        setup(pp=4, vp=4, num_layers=8, num_micro_batches=4)
 
 
 # --- equal to one process, on 8 ranks ---------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
+from distlab.gpt.model_layout import ModelShape, check_model_layout
 
 
 def test_megatron_rank_order_world_8() -> None:
@@ -44,17 +45,17 @@ def test_world_size_message_names_every_value() -> None:
 def test_model_and_batch_messages_name_every_value() -> None:
     layout = Layout(4, tp=2, pp=2)
     with pytest.raises(ValueError) as err:
-        layout.validate_model(num_layers=3, num_attention_heads=3, hidden_size=33)
+        check_model_layout(ModelShape(num_layers=3, hidden_size=34, num_attention_heads=3), layout)
     msg = str(err.value)
     for part in (
         "--num-attention-heads 3",
-        "--hidden-size 33",
+        "--hidden-size 34",
         "--num-layers 3",
         "--tensor-model-parallel-size 2",
         "--pipeline-model-parallel-size 2",
     ):
         assert part in msg
-    layout.validate_model(num_layers=4, num_attention_heads=4, hidden_size=32)  # fine
+    check_model_layout(ModelShape(num_layers=4, hidden_size=32, num_attention_heads=4), layout)  # fine
     assert Layout(4, tp=1, pp=2, micro_batch_size=2, global_batch_size=8).num_micro_batches == 2
     assert Layout(4, pp=2, micro_batch_size=2).global_batch_size == 4  # default: micro x dp
     with pytest.raises(

@@ -303,7 +303,7 @@ def test_memory_estimate_counts_a_ranks_experts(ep: int) -> None:
         model = GPTModel(cfg, ParallelState(Layout(4, ep=ep), rank=rank))
         assert sum(p.numel() for p in model.parameters()) == stage_parameters(setup)
         assert len(model.layers["0"].mlp.experts) == 8 // ep
-    assert stage_parameters(setup) - stage_parameters(MemorySetup(**{**setup.__dict__, "ep": 8})) == (
+    assert stage_parameters(setup) - stage_parameters(MemorySetup(**{**setup.__dict__, "dp": 8, "ep": 8})) == (
         2 * (8 // ep - 1) * dense_mlp
     )
 
@@ -337,7 +337,7 @@ def _refusal(flags: str, world: int) -> str:
         ("--num-experts 4 --expert-model-parallel-size 2 --save /nonexistent --ckpt-format torch_dist", 2,
          ["--expert-model-parallel-size 2 and --ckpt-format torch_dist", "use --ckpt-format torch"]),
         ("--num-experts 4 --ffn-hidden-size 31 --tensor-model-parallel-size 2 --sequence-parallel", 2,
-         ["--ffn-hidden-size 31 (the MLP width)", "divisible by --tensor-model-parallel-size 2"]),
+         ["--ffn-hidden-size 31 is not divisible by --tensor-model-parallel-size 2 (the MLP width"]),
         ("--num-experts 4 --tensor-parallel-impl dtensor --tensor-model-parallel-size 2 --sequence-parallel", 2,
          ["--num-experts with --tensor-parallel-impl dtensor"]),
         ("--num-experts 8 --expert-model-parallel-size 8 --context-parallel-size 2", 4,

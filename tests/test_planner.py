@@ -25,7 +25,7 @@ def test_the_fitting_layouts_come_first_fastest_first_and_the_best_five_say_why(
     assert steps == sorted(steps)
     assert all(c.peak <= hw.memory_bytes for c in fit)
     lines = report(found)
-    assert lines[0].startswith(f"> {len(fit)} of {len(found)} layouts fit; the best 5:")
+    assert lines[0].startswith(f"> {len(fit)} of {len(found)} runnable layouts fit; the best 5:")
     assert all("bubble" in line and "memory headroom" in line for line in lines[1:6])
     assert all(lay.world_size == 64 and 256 % (lay.micro_batch_size * lay.dp) == 0
                for lay in candidate_layouts(args, 64, hw))  # fmt: skip

@@ -21,8 +21,11 @@ The map, in reading order: one concern per subpackage; after ``~`` what it mirro
 Core (``megatron/core/``; ``training/`` is ``megatron/training/``). Imports run down this list,
 never up (``tests/test_imports.py`` checks it)::
 
-    layout.py          the dp x tp x pp x cp layout: rank order, batch arithmetic, and the rules of a
-                       layout against a model, each written once
+    model_layout.py    every rule of a model against a layout (heads, FFN, vocabulary, query
+                       groups over tp; the sequence over 2 cp and cp x tp; experts over ep;
+                       layers over pp x vp), named and checked by one function
+                       ~ the checks of TransformerConfig.__post_init__ and validate_args
+    layout.py          the dp x tp x pp x cp layout: rank order, batch arithmetic
                        ~ parallel_state.py's RankGenerator, num_microbatches_calculator.py
                          (torchtitan's ParallelDims)
     interfaces.py      what a step shares: micro-batches, the backward hook, the back end

@@ -25,7 +25,8 @@ must obey the same rule. e.g. ``16 = 2 x 4 x 2``.
 :class:`Layout` is torch-free and checkable before any process group exists; every consumer
 (process groups, data, schedule, memory estimate, DeepSpeed's config) reads it, none recomputes
 it. A new dimension is one entry of :data:`ORDER` and :data:`SIZE_NAMES` and one size field:
-the world-size rule, coordinates, groups and messages follow from them.
+the world-size rule, coordinates, groups and messages follow from them. Whether a model can be
+cut along a layout (heads, layers, sequence, experts over the sizes) is ``model_layout.py``'s.
 
 Experts (``ep``, Megatron's ``--expert-model-parallel-size``) are a second layout of the same
 ranks, not a factor of the world: the ``dp`` ranks of one dense data-parallel group (dp x cp
@@ -57,6 +58,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from distlab.gpt.model_layout import sequence_parallel_error
+
 #: Dimensions from the fastest-varying rank coordinate to the slowest (Megatron's tp-cp-dp-pp).
 ORDER = ("tp", "cp", "dp", "pp")
 #: How messages name each size, and the flag that sets it (dp has none: it is what remains).
@@ -70,66 +73,6 @@ SIZE_NAMES = {
 #: The dimensions whose ranks hold the same dense weights and different tokens: ``ep`` splits their
 #: product (Megatron, with etp = tp: ep divides dp x cp). A ``cp`` entry of :data:`ORDER` joins them by itself.
 EXPERT_DATA_DIMS = tuple(d for d in ORDER if d in ("cp", "dp"))
-
-
-# --- the rules of a layout against a model: each written once, here, with its one message. ---
-# Layout.validate_model (validate_args), the model and the memory estimate all check these.
-
-
-def sequence_parallel_error(sequence_parallel: bool, tp: int) -> str | None:
-    """Sequence parallelism splits the sequence over the tp ranks: it needs tp > 1."""
-    if sequence_parallel and tp == 1:
-        return (
-            "--sequence-parallel needs --tensor-model-parallel-size > 1, got 1: sequence parallelism "
-            "splits the sequence over the tensor-parallel ranks; drop the flag or raise the size"
-        )
-    return None
-
-
-def context_chunks_error(seq_length: int, cp: int) -> str | None:
-    """Context parallelism cuts the sequence into 2 cp equal chunks, two per cp rank (the
-    load-balanced causal split of ``context_parallel/ring_attention.py``)."""
-    if cp > 1 and seq_length % (2 * cp):
-        return (
-            f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {cp} "
-            f"= {2 * cp} (each cp rank holds two of the 2 cp equal chunks)"
-        )
-    return None
-
-
-def context_dropout_error(cp: int, attention_dropout: float) -> str | None:
-    """Ring attention (cp > 1) has no attention dropout."""
-    if cp > 1 and attention_dropout > 0:
-        return (
-            f"--context-parallel-size {cp} with --attention-dropout {attention_dropout}: ring attention "
-            f"has no dropout; set it to 0"
-        )
-    return None
-
-
-def layers_error(num_layers: int, pp: int, vp: int = 1) -> str | None:
-    """The layers split evenly over the pp stages and, interleaved, over their v chunks each."""
-    if num_layers % (pp * vp):
-        chunks = f" x {vp} virtual stages per rank = {pp * vp}" if vp > 1 else ""
-        return f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}{chunks}"
-    return None
-
-
-def heads_error(hidden_size: int, num_attention_heads: int) -> str | None:
-    """Every head has H / n dimensions."""
-    if hidden_size % num_attention_heads:
-        return (
-            f"--hidden-size {hidden_size} is not divisible by --num-attention-heads "
-            f"{num_attention_heads}: head size must be an integer"
-        )
-    return None
-
-
-def raise_errors(*errors: str | None) -> None:
-    """Raise one ``ValueError`` naming every error given (None: no error)."""
-    found = [e for e in errors if e]
-    if found:
-        raise ValueError("; ".join(found))
 
 
 @dataclass(frozen=True)
@@ -165,7 +108,8 @@ class Layout:
                 f"launch a multiple of {model_parallel} processes or change the sizes"
             )
         self._check_experts()
-        raise_errors(sequence_parallel_error(self.sequence_parallel, self.tp))
+        if error := sequence_parallel_error(self.sequence_parallel, self.tp):
+            raise ValueError(error)
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.dp)
         self._check_batch()
@@ -242,40 +186,6 @@ class Layout:
                 f"(world size {self.world_size} over the model-parallel sizes): the experts are shared "
                 f"out within the data-parallel ranks; choose {flag} among the divisors of "
                 f"{self.expert_data_size} or launch more processes"
-            )
-
-    def validate_model(
-        self, *, num_layers: int, num_attention_heads: int, hidden_size: int, seq_length: int | None = None
-    ) -> None:
-        """Heads and hidden size must split over ``tp``, layers over ``pp``, the sequence into
-        ``2 cp`` chunks (the load-balanced causal split of ``context_parallel/ring_attention.py``) and, with
-        sequence parallelism, each cp rank's ``seq_length / cp`` tokens over ``tp``."""
-        errors = []
-        if seq_length is not None and (error := context_chunks_error(seq_length, self.cp)):
-            errors.append(error)
-        if self.sequence_parallel and seq_length is not None and seq_length % (self.cp * self.tp):
-            sizes, what = f"--tensor-model-parallel-size {self.tp}", "it"
-            if self.cp > 1:  # each cp rank's tokens are split over its tp ranks
-                sizes += f" x --context-parallel-size {self.cp}"
-                what = "each context-parallel rank's tokens"
-            errors.append(
-                f"--seq-length {seq_length} is not divisible by {sizes}, as --sequence-parallel splits "
-                f"{what} over tp: use a multiple of {self.cp * self.tp}"
-            )
-        if num_attention_heads % self.tp:
-            errors.append(
-                f"--num-attention-heads {num_attention_heads} is not divisible by "
-                f"--tensor-model-parallel-size {self.tp}"
-            )
-        if hidden_size % self.tp:
-            errors.append(
-                f"--hidden-size {hidden_size} is not divisible by --tensor-model-parallel-size {self.tp}"
-            )
-        if error := layers_error(num_layers, self.pp, self.vp):
-            errors.append(error)
-        if errors:
-            raise ValueError(
-                "; ".join(errors) + ": change the model size, the sequence or the parallel layout"
             )
 
     # --- batches -------------------------------------------------------------------------

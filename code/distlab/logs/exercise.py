@@ -130,18 +130,16 @@ def long_sequence_run(text: str) -> dict:
 
 def predicted_peak_mib(argv: list[str], *, world_size: int, vocab_size: int) -> float | None:
     """The predicted peak per rank in MiB that a run of ``argv`` on ``world_size`` ranks prints in
-    its ``> memory:`` line (``memory_estimate``, first iteration); None for a layout the model does
-    not allow (heads or hidden size that tp does not divide, a sequence 2cp does not cut)."""
-    from distlab.gpt.arguments import build_layout, parse_args
+    its ``> memory:`` line (``memory_estimate``, first iteration); None for a layout the engine
+    refuses (heads that tp does not divide, a sequence 2cp does not cut, ...)."""
+    from distlab.gpt.arguments import parse_args
+    from distlab.gpt.arguments.validation import engine_layout
     from distlab.gpt.memory.memory_estimate import MemorySetup, estimate
     from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 
     args = parse_args(argv)
-    try:
-        layout = build_layout(args, world_size)
-        layout.validate_model(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                              hidden_size=args.hidden_size, seq_length=args.seq_length)  # fmt: skip
-    except ValueError:
+    layout = engine_layout(args, world_size)  # the engine's own rules: what it would refuse
+    if isinstance(layout, str):
         return None
     vocab = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, layout.tp)
     return estimate(MemorySetup.from_run(args, layout, vocab)).peak(first_iteration=True) / 2**20
@@ -159,7 +157,7 @@ def long_sequence_predictions(
     sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp, cp in ((tp, cp) for tp in sizes for cp in sizes if world_size % (tp * cp) == 0):
         argv = [*shlex.split(gpt_args), "--seq-length", str(seq_length), "--max-position-embeddings",
-                str(seq_length), "--micro-batch-size", "1", "--global-batch-size", str(world_size // (tp * cp)),
+                str(seq_length), "--micro-batch-size", "1",
                 "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp)]  # fmt: skip
         mib = predicted_peak_mib(argv, world_size=world_size, vocab_size=vocab_size)
         if mib is not None:
@@ -227,8 +225,7 @@ def state_layout_predictions(
     sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp, cp in ((tp, cp) for tp in sizes for cp in sizes if world_size % (tp * cp) == 0):
         for distopt in (False, True):
-            argv = [*shlex.split(model_args), "--micro-batch-size", "1", "--global-batch-size",
-                    str(world_size // (tp * cp)), "--tensor-model-parallel-size", str(tp),
+            argv = [*shlex.split(model_args), "--micro-batch-size", "1", "--tensor-model-parallel-size", str(tp),
                     "--context-parallel-size", str(cp), *(["--use-distributed-optimizer"] if distopt else [])]  # fmt: skip
             mib = predicted_peak_mib(argv, world_size=world_size, vocab_size=vocab_size)
             if mib is not None:

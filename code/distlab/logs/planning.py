@@ -26,10 +26,10 @@ import statistics
 
 from distlab.checks import FIXME, check, untouched
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.layout import Layout
+from distlab.gpt.arguments.validation import engine_layout
 from distlab.gpt.planning.dry_run import GiB
 from distlab.gpt.planning.hardware import Hardware
-from distlab.gpt.planning.planner import Candidate, evaluate
+from distlab.gpt.planning.planner import Candidate, evaluate, sized
 from distlab.logs.formats import (
     DRY_RUN,
     DRY_RUN_ACTIVATIONS,
@@ -100,16 +100,13 @@ def try_layout(
     args: PretrainArgs, world: int, hw: Hardware, budget_gib: float, *, tp, pp, micro_batch_size, vp=1
 ) -> Candidate | str:
     """The planner's view of one layout (cp 1) within ``budget_gib``: a :class:`Candidate`, or why
-    the layout is not one (the layout's own error)."""
-    try:
-        layout = Layout(world, tp=tp, pp=pp, vp=vp, micro_batch_size=micro_batch_size,
-                        global_batch_size=args.global_batch_size, sequence_parallel=tp > 1)  # fmt: skip
-        layout.validate_model(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                              hidden_size=args.hidden_size, seq_length=args.seq_length)  # fmt: skip
-    except (ValueError, TypeError) as e:
-        return f"tp {tp}, pp {pp}, vp {vp}, micro batch {micro_batch_size} is not a layout here: {e}"
-    if args.group_query_attention and args.num_query_groups % tp:
-        return f"tp {tp} does not divide the {args.num_query_groups} query groups: use a divisor of them"
+    the engine refuses it (``validate_args``' own message)."""
+    name = f"tp {tp}, pp {pp}, vp {vp}, micro batch {micro_batch_size}"
+    if not all(type(size) is int for size in (tp, pp, micro_batch_size, vp)):
+        return f"{name} is not a layout here: give whole numbers"
+    layout = engine_layout(sized(args, tp=tp, pp=pp, micro_batch_size=micro_batch_size, vp=vp), world)
+    if isinstance(layout, str):
+        return f"{name} is not a layout here: {layout}"
     return evaluate(args, layout, dataclasses.replace(hw, memory_bytes=budget_gib * GiB))
 
 

@@ -29,22 +29,6 @@ def query_groups(args: PretrainArgs) -> int | None:
     return args.num_query_groups if args.group_query_attention else None
 
 
-def _gqa_errors(args: PretrainArgs, layout: Layout) -> list[str]:
-    """megatron-core's TransformerConfig: g a multiple of tp (K/V heads split) or a divisor (replicated)."""
-    g, tp = args.num_query_groups, layout.tp
-    if not args.group_query_attention or g < 1:
-        return []
-    if g % tp and tp % g:
-        fits = [d for d in range(1, args.num_attention_heads + 1) if args.num_attention_heads % d == 0]
-        ok = [d for d in fits if d % tp == 0 or tp % d == 0]
-        return [
-            f"--num-query-groups {g} with --tensor-model-parallel-size {tp}: the K/V heads are split over "
-            f"the tp ranks when tp divides the groups and replicated when the groups divide tp; {g} is "
-            f"neither a multiple nor a divisor of {tp}: choose --num-query-groups in {ok} or another tp"
-        ]
-    return []
-
-
 def _dtensor_architecture_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     """PyTorch's ColwiseParallel cuts contiguous rows: it cannot split fc1's [gate; up] per rank or
     gather the qkv of replicated K/V heads."""
@@ -71,7 +55,6 @@ def architecture_args_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     errors = architecture_errors(
         args.num_attention_heads, query_groups(args), args.normalization, args.position_embedding_type
     )
-    errors += _gqa_errors(args, layout)
     if args.kv_channels is None or args.kv_channels < 1:
         errors.append(
             f"--kv-channels {args.kv_channels}: give the channels of each head (>= 1); without it "
@@ -79,12 +62,8 @@ def architecture_args_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         )
     elif args.position_embedding_type == "rope":
         errors += rotary_errors(args.kv_channels, args.rotary_percent)
-    ffn = args.ffn_hidden_size or 4 * args.hidden_size
-    if ffn < 1 or ffn % layout.tp:
-        errors.append(
-            f"--ffn-hidden-size {ffn} (the MLP width{', from --swiglu' * args.swiglu}) must be "
-            f">= 1 and divisible by --tensor-model-parallel-size {layout.tp}: give --ffn-hidden-size"
-        )
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size < 1:
+        errors.append(f"--ffn-hidden-size {args.ffn_hidden_size} must be >= 1")
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         errors.append(
             f"--no-position-embedding with --position-embedding-type {args.position_embedding_type}: "

@@ -5,6 +5,7 @@ part of the run then reads."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -25,14 +26,9 @@ from distlab.gpt.arguments.implementations import apply_profile_flags, implement
 from distlab.gpt.arguments.parser import as_list, parse_split, profile_ranks
 from distlab.gpt.arguments.refused import refused_errors
 from distlab.gpt.arguments.samples import decoupled_lr_errors, length_errors, train_iters_from_samples
-from distlab.gpt.layout import (
-    Layout,
-    context_dropout_error,
-    heads_error,
-    parse_step_schedule,
-    rampup_schedule,
-)
-from distlab.gpt.moe.moe_layer import config_errors, placement_errors, tensor_parallel_error
+from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
+from distlab.gpt.model_layout import ModelShape, model_layout_errors
+from distlab.gpt.moe.moe_layer import config_errors
 from distlab.gpt.moe.router import LOAD_BALANCING_TYPES
 from distlab.gpt.pipeline_parallel.schedules import check_schedule
 from distlab.gpt.transformer.recompute import granularity_of, recompute_errors
@@ -54,12 +50,6 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
             args, layout.global_batch_size, bool(layout.batch_schedule)
         )
     apply_profile_flags(args)
-    layout.validate_model(
-        num_layers=args.num_layers,
-        num_attention_heads=args.num_attention_heads,
-        hidden_size=args.hidden_size,
-        seq_length=args.seq_length,
-    )
     args.global_batch_size = layout.global_batch_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
@@ -67,6 +57,7 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
         args.lr_decay_iters = args.train_iters
     fill_architecture_defaults(args)
     errors = [
+        *model_layout_errors(model_shape(args), layout),
         *architecture_args_errors(args, layout),
         *refused_errors(args, torch.cuda.is_available()),
         *data_errors(args),
@@ -93,6 +84,28 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
     return layout
 
 
+def engine_layout(args: PretrainArgs, world_size: int) -> Layout | str:
+    """The layout :func:`validate_args` builds for a copy of ``args`` on ``world_size`` ranks, or
+    its refusal: what planners and exercise graders ask, so that they propose only what the engine
+    runs. A plan is of the model, layout and batch flags: where ``args`` leave out what a run also
+    needs (its length, learning rate, data, tokenizer files), one iteration at lr 1e-4 on mock data
+    stands in, tokenized by a NullTokenizer of ``--vocab-size`` (GPT-2's 50,257 if not given: the
+    vocabulary is padded to a multiple of tp, so its size refuses no layout)."""
+    run = copy.deepcopy(args)
+    if run.train_iters is None and run.train_samples is None:
+        run.train_iters = 1
+    if run.lr is None:
+        run.lr = 1e-4
+    if run.data_path is None and not run.mock_data:
+        run.mock_data = True
+    if run.tokenizer_type == "GPT2BPETokenizer" and not (run.vocab_file and os.path.exists(run.vocab_file)):
+        run.tokenizer_type, run.vocab_size = "NullTokenizer", run.vocab_size or 50257
+    try:
+        return validate_args(run, world_size)
+    except ValueError as refused:
+        return str(refused)
+
+
 def build_layout(args: PretrainArgs, world_size: int) -> Layout:
     """The parallel sizes and the batch arithmetic (a ramp's steps included), checked."""
     schedule: tuple = ()
@@ -111,11 +124,6 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
         if args.global_batch_size is None:
             raise ValueError("--rampup-batch-size needs --global-batch-size: the size the ramp ends at")
         schedule = rampup_schedule(*args.rampup_batch_size, args.global_batch_size)
-    if args.expert_model_parallel_size > 1 and args.num_experts is None:
-        raise ValueError(
-            f"--expert-model-parallel-size {args.expert_model_parallel_size} needs --num-experts: "
-            f"expert parallelism splits the experts of a mixture-of-experts MLP"
-        )
     args.virtual_pipeline_model_parallel_size = virtual_stages(args)
     return Layout(
         world_size,
@@ -129,6 +137,21 @@ def build_layout(args: PretrainArgs, world_size: int) -> Layout:
         vp=args.virtual_pipeline_model_parallel_size,
         # Megatron turns --sequence-parallel off without tensor parallelism (and says so at start-up)
         sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+    )
+
+
+def model_shape(args: PretrainArgs) -> ModelShape:
+    """The sizes ``model_layout``'s rules read, from the arguments (the vocabulary is checked once
+    padded, by the model; the query groups only with ``--group-query-attention``)."""
+    return ModelShape(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        num_experts=args.num_experts,
+        attention_dropout=args.attention_dropout,
     )
 
 
@@ -153,8 +176,6 @@ def virtual_stages(args: PretrainArgs) -> int:
 
 def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
     errors = []
-    if error := heads_error(args.hidden_size, args.num_attention_heads):
-        errors.append(error)
     if args.seq_length > args.max_position_embeddings:
         errors.append(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
@@ -258,7 +279,6 @@ def _moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             ]
         return []
     errors = config_errors(args.num_experts, args.moe_router_topk, args.moe_expert_capacity_factor)
-    errors += placement_errors(args.num_experts, layout.ep)
     errors += _load_balancing_errors(args)
     etp = args.expert_tensor_parallel_size
     if etp is not None and etp != layout.tp:
@@ -267,8 +287,6 @@ def _moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             f"splits each expert over the tp ranks themselves (megatron-core's default, etp = tp); leave "
             f"the flag out or set it to {layout.tp}"
         )
-    if error := tensor_parallel_error(layout.tp, layout.sequence_parallel):
-        errors.append(error)
     if args.moe_token_dispatcher_type == "flex":
         errors.append(
             "--moe-token-dispatcher-type flex: Megatron's flex dispatcher runs DeepEP or HybridEP kernels "
@@ -329,7 +347,6 @@ def _context_parallel_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             ("--use-torch-fsdp2", args.use_torch_fsdp2, "its mesh is the data-parallel ranks only; drop one"),
             ("--tensor-parallel-impl dtensor", args.tensor_parallel_impl == "dtensor",
              "its DeviceMesh has no cp dimension here; use --tensor-parallel-impl megatron"),
-            (None, True, context_dropout_error(layout.cp, args.attention_dropout)),  # the layout's rule
         )
         if given and why
     ]  # fmt: skip

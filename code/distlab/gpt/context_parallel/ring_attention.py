@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.gpt.layout import context_chunks_error, raise_errors
+from distlab.gpt.model_layout import context_chunks_error
 from distlab.gpt.parallel_state import ParallelState
 from distlab.logs.formats import CONTEXT_PARALLEL
 
@@ -81,7 +81,8 @@ def chunk_ids(cp: int, cp_rank: int, balanced: bool = True) -> tuple[int, int]:
 def split_sequence(x: torch.Tensor, ring: Ring, dim: int = 1) -> torch.Tensor:
     """This rank's T / cp tokens of ``x`` (..., T, ...) along ``dim``: its two chunks, concatenated."""
     T = x.shape[dim]
-    raise_errors(context_chunks_error(T, ring.size))  # the layout's rule
+    if error := context_chunks_error(T, ring.size):  # model_layout's rule, on the tokens given
+        raise ValueError(error)
     parts = x.chunk(2 * ring.size, dim=dim)
     return torch.cat([parts[c] for c in ring.chunks()], dim=dim)
 

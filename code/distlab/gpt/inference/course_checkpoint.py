@@ -182,9 +182,7 @@ def _gather_torch(ckpt: CourseCheckpoint, model: GPTModel) -> StateDict:
 
 def write_release(save: str, args: PretrainArgs, cfg: GPTConfig, full: StateDict) -> str:
     """Megatron's release checkpoint of the whole state dict ``full`` for ``args``' tp x pp; the folder."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if cfg.num_layers % pp:
-        raise ConversionError(f"--target-pipeline-parallel-size {pp} does not divide {cfg.num_layers} layers")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size  # checked by the caller
     folder = os.path.join(save, checkpointing.RELEASE)
     model = GPTModel(cfg)  # the tags: which tensors are split, along which dimension
     tags = {name: (getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))

@@ -7,18 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from distlab.gpt.layout import (
-    context_chunks_error,
-    heads_error,
-    layers_error,
-    raise_errors,
-    sequence_parallel_error,
-)
+from distlab.gpt.layout import Layout
+from distlab.gpt.model_layout import ModelShape, check_model_layout
 from distlab.gpt.transformer.recompute import ATTENTION_BACKENDS, granularity_of, recompute_errors
 
 if TYPE_CHECKING:
     from distlab.gpt.arguments import PretrainArgs
-    from distlab.gpt.layout import Layout
 
 #: The half precisions (autocast over fp32 weights).
 HALF = ("fp16", "bf16")
@@ -101,12 +95,7 @@ class MemorySetup:
     """The last stage holds its own (V, h) output layer."""
 
     def __post_init__(self) -> None:
-        raise_errors(  # the layout's rules, the same as the run's (distlab/gpt/layout.py)
-            sequence_parallel_error(self.sequence_parallel, self.tp),
-            layers_error(self.num_layers, self.pp, self.vp),
-            heads_error(self.hidden_size, self.num_attention_heads),
-            context_chunks_error(self.seq_length, self.cp),
-        )
+        check_model_layout(self.shape, self.layout)  # the run's rules (distlab/gpt/model_layout.py)
         if self.tensor_parallel_impl not in ("megatron", "dtensor"):
             raise ValueError(
                 f"tensor_parallel_impl {self.tensor_parallel_impl!r} must be megatron or dtensor"
@@ -131,6 +120,36 @@ class MemorySetup:
         )
         if errors:
             raise ValueError("; ".join(errors))
+
+    @property
+    def layout(self) -> Layout:
+        """The layout these sizes describe (world tp x cp x dp x pp; B = b x dp x M), checked by
+        the layout's own rules (ep over dp x cp, the interleaved schedule's micro-batches)."""
+        return Layout(
+            self.tp * self.cp * self.dp * self.pp,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.micro_batch_size * self.dp * self.num_micro_batches,
+            vp=self.vp,
+            sequence_parallel=self.sequence_parallel,
+        )
+
+    @property
+    def shape(self) -> ModelShape:
+        """The sizes ``model_layout``'s rules read."""
+        return ModelShape(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            seq_length=self.seq_length,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_query_groups=self.num_query_groups,
+            vocab_size=self.vocab_size,
+            num_experts=self.num_experts,
+        )
 
     @classmethod
     def from_layout(cls, layout: Layout, **setup) -> MemorySetup:

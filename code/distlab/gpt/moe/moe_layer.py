@@ -104,28 +104,6 @@ def config_errors(num_experts: int, topk: int, capacity_factor: float | None) ->
     return errors
 
 
-def placement_errors(num_experts: int, ep: int) -> list[str]:
-    """The experts must split evenly over the expert-parallel ranks."""
-    if num_experts % ep:
-        return [
-            f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}: each "
-            f"rank holds E / ep whole experts; choose a multiple of {ep} experts or an ep that divides "
-            f"{num_experts}"
-        ]
-    return []
-
-
-def tensor_parallel_error(tp: int, sequence_parallel: bool) -> str | None:
-    """megatron-core's rule (``MoELayer.forward``): MoE with tp > 1 trains with sequence parallelism."""
-    if tp > 1 and not sequence_parallel:
-        return (
-            f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (as in "
-            f"megatron-core: the tp ranks route different T / tp tokens, and the experts are split over "
-            f"them); add --sequence-parallel"
-        )
-    return None
-
-
 @dataclass
 class RouterStats:
     """One layer's routing during the iteration so far (this rank's tokens, training forwards)."""
@@ -159,11 +137,8 @@ class MoELayer(nn.Module):
         ep, ep_rank = (state.ep, state.ep_rank) if state is not None else (1, 0)
         tp, tp_rank = (state.tp, state.tp_rank) if state is not None else (1, 0)
         sp = state is not None and state.layout.sequence_parallel
-        errors = placement_errors(cfg.num_experts, ep)
-        if error := tensor_parallel_error(tp, sp):
-            errors.append(error)
-        if errors:
-            raise ValueError("; ".join(errors))
+        # The experts over ep and sequence parallelism under tp: model_layout's rules, which the
+        # model (GPTModel) and validate_args check before any layer is built.
         self.cfg = cfg
         group = state.tp_ep_group if ep * tp > 1 else None
         self.where = ExpertGroup(cfg.num_experts, ep, ep_rank, tp, group)

@@ -66,6 +66,7 @@ from torch.distributed.pipelining.schedules import (
 
 from distlab.distributed import init_distributed, shutdown
 from distlab.gpt.layout import Layout
+from distlab.gpt.model_layout import ModelShape, model_layout_errors
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
 from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
@@ -168,14 +169,12 @@ def build_stages(cfg: GPTConfig, schedule: str, device: torch.device) -> list[Pi
         raise ValueError(f"pipeline schedule {schedule!r} must be one of {list(SCHEDULES)}")
     pp, rank = dist.get_world_size(), dist.get_rank()
     num_stages = pp * SCHEDULES[schedule][1]
-    if cfg.num_layers % num_stages:
-        raise ValueError(
-            f"--num-layers {cfg.num_layers} is not divisible by the {num_stages} stages of {schedule} on "
-            f"{pp} ranks: choose a multiple of {num_stages}"
-        )
+    stage_layout = Layout(num_stages, pp=num_stages)  # each stage a GPTModel of its L / stages blocks
+    if errors := model_layout_errors(ModelShape.of(cfg), stage_layout):
+        raise ValueError(f"{schedule} on {pp} ranks runs {num_stages} stages: " + "; ".join(errors))
     stages = []
     for s in range(rank, num_stages, pp):  # rank r: stages r, r + pp, ...
-        gpt = GPTModel(cfg, ParallelState(Layout(num_stages, pp=num_stages), rank=s)).to(device)
+        gpt = GPTModel(cfg, ParallelState(stage_layout, rank=s)).to(device)
         stages.append(PipelineStage(StageModule(gpt), s, num_stages, device))
     return stages
 

@@ -1,10 +1,10 @@
 """Plan a run: the layouts of a model on a cluster that fit in memory, ranked by predicted step time.
 
 Candidates, in the Ultra-Scale Playbook's order of concerns: tp a power of two up to the GPUs of
-one node (dividing the heads), with sequence parallelism; pp dividing the layers, with v chunks
-per stage (interleaved 1F1B) where the layers allow; cp dividing the sequence into 2 cp chunks;
-dp what is left, dividing the global batch by b x dp. Each is checked by the layout's own rules
-(``layout.py``) and the estimator (``memory/memory_estimate.py``: the first stage's activations
+one node, with sequence parallelism; pp, with v chunks per stage (interleaved 1F1B); cp a power of
+two; dp what is left. Each is checked by the engine itself (``validate_args``: the layout's rules,
+``model_layout.py``'s rules of the model against it, and every flag's, so that no layout the engine
+refuses is ranked; the refused ones keep its message) and by the estimator (``memory/memory_estimate.py``: the first stage's activations
 under its schedule) with Megatron's model-state bytes (``dry_run.STATE_BYTES``), and timed by
 ``step_model.predict_step``. A layout that does not fit names the state that overflows (the
 largest one of its peak) and by how much the peak exceeds the device's memory.
@@ -12,11 +12,14 @@ largest one of its peak) and by how much the peak exceeds the device's memory.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
+import re
 from dataclasses import dataclass
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.arguments.validation import engine_layout
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes, stage_parameters
 from distlab.gpt.planning.dry_run import GiB, megatron_peak, model_states, precision_of
@@ -67,30 +70,55 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**k for k in range(limit.bit_length()) if 2**k <= limit]
 
 
-def candidate_layouts(args: PretrainArgs, world: int, hw: Hardware, micro_batch_sizes=(1, 2)) -> list[Layout]:
-    """Every layout of ``world`` ranks the sizes above allow (the global batch is args')."""
-    L, heads, s, B = args.num_layers, args.num_attention_heads, args.seq_length, args.global_batch_size
+@dataclass(frozen=True)
+class Refused:
+    """A layout of the search that the engine's ``validate_args`` refuses, and its message."""
+
+    name: str
+    why: str
+
+
+def sized(args: PretrainArgs, *, tp: int, pp: int, cp: int = 1, micro_batch_size: int, vp: int = 1,
+          distributed_optimizer: bool | None = None) -> PretrainArgs:  # fmt: skip
+    """A copy of ``args`` with these sizes (and sequence parallelism exactly when tp > 1), as a
+    user would launch it."""
+    return dataclasses.replace(
+        copy.deepcopy(args),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        micro_batch_size=micro_batch_size,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=None,
+        sequence_parallel=tp > 1,
+        use_distributed_optimizer=(
+            args.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
+        ),
+    )
+
+
+def candidate_layouts(
+    args: PretrainArgs, world: int, hw: Hardware, micro_batch_sizes=(1, 2),
+    distributed_optimizer: bool = True, refused: list[Refused] | None = None,
+) -> list[Layout]:  # fmt: skip
+    """Every layout of ``world`` ranks in the search (tp a power of two within a node, pp, cp a
+    power of two, v in 1, 2, 4; the global batch is args') that the engine accepts; those it
+    refuses are appended to ``refused`` with the engine's message."""
     out = []
-    tps = [t for t in _powers_of_two(hw.gpus_per_node) if heads % t == 0]
-    pps = [p for p in range(1, L + 1) if L % p == 0 and world % p == 0]
-    cps = [c for c in _powers_of_two(world) if s % (2 * c) == 0 or c == 1]
-    for tp, pp, cp, b in itertools.product(tps, pps, cps, micro_batch_sizes):
+    tps = _powers_of_two(hw.gpus_per_node)
+    pps = [p for p in range(1, args.num_layers + 1) if world % p == 0]
+    for tp, pp, cp, b in itertools.product(tps, pps, _powers_of_two(world), micro_batch_sizes):
         if world % (tp * pp * cp):
-            continue
-        dp = world // (tp * pp * cp)
-        if B % (b * dp):
-            continue
+            continue  # not a factoring of the world
         for v in [1, 2, 4] if pp > 1 else [1]:
-            if L % (pp * v) or (v > 1 and B // (b * dp) % pp):
-                continue  # interleaving needs m a multiple of pp (Megatron)
-            try:
-                layout = Layout(world, tp=tp, pp=pp, cp=cp, micro_batch_size=b, global_batch_size=B, vp=v,
-                                sequence_parallel=tp > 1)  # fmt: skip
-                layout.validate_model(num_layers=L, num_attention_heads=heads, hidden_size=args.hidden_size,
-                                      seq_length=s)  # fmt: skip
-            except ValueError:
-                continue
-            out.append(layout)
+            run = sized(args, tp=tp, pp=pp, cp=cp, micro_batch_size=b, vp=v,
+                        distributed_optimizer=distributed_optimizer)  # fmt: skip
+            found = engine_layout(run, world)
+            if isinstance(found, Layout):
+                out.append(found)
+            elif refused is not None:
+                name = f"tp {tp} pp {pp}{f' v {v}' if v > 1 else ''} cp {cp} b {b}"
+                refused.append(Refused(name, found))
     return out
 
 
@@ -113,23 +141,38 @@ def evaluate(
     return found
 
 
-def plan(args: PretrainArgs, world: int, hw: Hardware, distributed_optimizer: bool = True) -> list[Candidate]:
-    """Every candidate: those that fit first, fastest first; then the others, smallest overflow first."""
-    found = [evaluate(args, lay, hw, distributed_optimizer) for lay in candidate_layouts(args, world, hw)]
+def plan(
+    args: PretrainArgs, world: int, hw: Hardware, distributed_optimizer: bool = True,
+    refused: list[Refused] | None = None,
+) -> list[Candidate]:  # fmt: skip
+    """Every candidate the engine accepts: those that fit first, fastest first; then the others,
+    smallest overflow first (the refused ones, if ``refused`` is given, appended to it)."""
+    layouts = candidate_layouts(args, world, hw, distributed_optimizer=distributed_optimizer, refused=refused)
+    found = [evaluate(args, lay, hw, distributed_optimizer) for lay in layouts]
     fit = sorted((c for c in found if c.fits), key=lambda c: c.prediction.step)
     over = sorted((c for c in found if not c.fits), key=lambda c: c.peak)
     return fit + over
 
 
-def report(candidates: list[Candidate], top: int = 5) -> list[str]:
-    """The best ``top`` layouts with why, then the nearest layouts that do not fit."""
+def report(candidates: list[Candidate], top: int = 5, refused: list[Refused] = ()) -> list[str]:
+    """The best ``top`` layouts with why, then the nearest layouts that do not fit, then (if given)
+    how many the engine refuses and one example of each of its first reasons."""
     fit = [c for c in candidates if c.fits]
-    lines = [f"> {len(fit)} of {len(candidates)} layouts fit; the best {min(top, len(fit))}:"]
+    lines = [f"> {len(fit)} of {len(candidates)} runnable layouts fit; the best {min(top, len(fit))}:"]
     for c in fit[:top]:
         p = c.prediction
         lines.append(f">   {c.name():38s} step {p.step:8.2f} s  MFU {100 * p.mfu:5.1f}%  {c.why()}")
     for c in [c for c in candidates if not c.fits][:3]:
         lines.append(f">   {c.name():38s} {c.why()}")
+    if refused:
+        lines.append(f"> {len(refused)} layouts of the search are refused by the engine, for example:")
+        seen: set[str] = set()
+        for r in refused:
+            reason = r.why.removeprefix("invalid arguments: ")
+            kind = re.sub(r"\d+", "N", reason)  # one example of each kind of refusal
+            if kind not in seen and len(seen) < 3:
+                seen.add(kind)
+                lines.append(f">   {r.name:38s} {reason}")
     return lines
 
 
@@ -155,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"> {hw.name}: {opts.world_size} devices; global batch {args.global_batch_size} x {args.seq_length} tokens"
     )
-    print("\n".join(report(plan(args, opts.world_size, hw, not opts.no_distributed_optimizer))))
+    refused: list[Refused] = []
+    found = plan(args, opts.world_size, hw, not opts.no_distributed_optimizer, refused)
+    print("\n".join(report(found, refused=refused)))
     return 0
 
 

@@ -70,6 +70,7 @@ generator seeded by ``(--seed, the parameter's global name)`` and cut with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from typing import TYPE_CHECKING
@@ -78,7 +79,8 @@ import torch
 from torch import nn
 
 from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_of
-from distlab.gpt.layout import context_dropout_error, raise_errors, sequence_parallel_error
+from distlab.gpt.layout import Layout
+from distlab.gpt.model_layout import ModelShape, check_model_layout
 from distlab.gpt.moe.moe_layer import MoELayer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import (
@@ -161,11 +163,10 @@ class GPTModel(nn.Module):
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
         self.tp_group = state.tp_group if tp > 1 else None  # None: every operator is the identity
         self.ring = ring_of(state)
-        cp = state.cp if state is not None else 1
-        raise_errors(  # the layout's rules (validate_args checks them before a run)
-            context_dropout_error(cp, cfg.attention_dropout),
-            sequence_parallel_error(cfg.sequence_parallel, tp),
-        )
+        layout = state.layout if state is not None else Layout(1)
+        if cfg.sequence_parallel != layout.sequence_parallel:  # raises without tp
+            layout = dataclasses.replace(layout, sequence_parallel=cfg.sequence_parallel)
+        check_model_layout(ModelShape.of(cfg), layout)  # validate_args checks it before a run
         sp = cfg.sequence_parallel
         self.sp_size, self.sp_rank = (tp, state.tp_rank) if sp else (1, 0)  # which T/tp positions are here
         self.learned = cfg.position_embedding_type == "learned_absolute"
