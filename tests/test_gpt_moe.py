@@ -303,9 +303,9 @@ def test_memory_estimate_counts_a_ranks_experts(ep: int) -> None:
         model = GPTModel(cfg, ParallelState(Layout(4, ep=ep), rank=rank))
         assert sum(p.numel() for p in model.parameters()) == stage_parameters(setup)
         assert len(model.layers["0"].mlp.experts) == 8 // ep
-    assert stage_parameters(setup) - stage_parameters(MemorySetup(**{**setup.__dict__, "dp": 8, "ep": 8})) == (
-        2 * (8 // ep - 1) * dense_mlp
-    )
+    assert stage_parameters(setup) - stage_parameters(
+        MemorySetup(**{**setup.__dict__, "dp": 8, "ep": 8})
+    ) == (2 * (8 // ep - 1) * dense_mlp)
 
 
 # --- refusals, log line --------------------------------------------------------------------------
