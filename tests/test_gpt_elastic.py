@@ -8,6 +8,15 @@ test_gpt_restart), every rank then waits in iteration 6, and the test kills that
 workers with SIGKILL, as a lost node. The first agent must restart its workers as a world of 2
 (data-parallel 2, accumulation 2: the same global batch), resume from iteration 3 and finish, the
 recomputed iterations with the losses of the world of 4.
+
+The kill is armed on two events, never on a time: the pause, and iteration 5's line in the log. The
+pause alone does not say that the line is there: the last rank prints it (rank 3, the second agent's
+local rank 1 when the rendezvous, which orders the agents by pid, makes the second agent group rank 1)
+after the iteration's last collective, unordered with the paused rank, and a loaded machine may not
+have run it yet when the pause shows (a clean clone's CI once got the losses of iterations 1 to 4
+only; on the first agent, that agent stops it when its other rank fails in iteration 6).
+``LATE_LINE`` makes rank 3 print that line a second late in every run, so that a kill armed on the
+pause alone fails here every time.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from tests.test_gpt_restart import WORKER, kill_workers
 pytestmark = pytest.mark.timeout(300)
 
 TRAIN_ITERS, SAVE_INTERVAL, PAUSE_AFTER = 12, 3, 5
+WORLD, LATE_LINE_S = 4, 1.0
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --max-position-embeddings 32"
     " --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine"
@@ -56,6 +66,7 @@ def agent(
     env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
     env.update(OMP_NUM_THREADS="1", PIDS_DIR=str(folder / "pids"), PAUSE_FILE=str(folder / "paused.pid"))
     env.update(PAUSE_RANK="0" if pause else "none", PAUSE_AT=f"after:{PAUSE_AFTER}")
+    env.update(LATE_LINE=f"{WORLD - 1}:{PAUSE_AFTER}:{LATE_LINE_S}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2"]
     cmd += ["--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     cmd += [f"--rdzv-conf={RDZV},is_host={int(host)}", "--rdzv-id=elastic-test"]
@@ -64,6 +75,11 @@ def agent(
     return subprocess.Popen(
         cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
+
+
+def logged(log_path: Path, iteration: int) -> bool:
+    """Whether the log holds the whole line of ``iteration`` (its loss), read as the checks read it."""
+    return any(iteration in attempt.losses for attempt in restarts.attempts(log_path.read_text()))
 
 
 def test_a_lost_node_leaves_a_world_of_two_that_resumes_with_the_same_global_batch(data, tmp_path):
@@ -79,16 +95,19 @@ def test_a_lost_node_leaves_a_world_of_two_that_resumes_with_the_same_global_bat
         # 60 s were up (4 ranks importing torch, then 2 again after the rendezvous); see START_TO_END_S
         deadline = time.monotonic() + START_TO_END_S
         paused = tmp_path / "node2" / "paused.pid"
-        while not paused.exists():
+        # no rank passes iteration 6 while one is paused (its all-reduces wait for it): once the pause
+        # and iteration 5's line are both there, the first attempt has logged 1 to 5 and no more
+        while not (paused.exists() and logged(log_path, PAUSE_AFTER)):
             assert first.poll() is None and second.poll() is None, f"an agent ended:\n{log_path.read_text()}"
             assert time.monotonic() < deadline, (
-                f"no pause after iteration {PAUSE_AFTER}:\n{log_path.read_text()}"
+                f"no pause after iteration {PAUSE_AFTER}, or no line of it:\n{log_path.read_text()}"
             )
             time.sleep(0.05)
+        # nothing moves until the kill: the latest checkpoint now is the one the world of 2 resumes from
+        tracker = (ckpt / "latest_checkpointed_iteration.txt").read_text()
         os.kill(second.pid, signal.SIGKILL)  # the node: its agent, then its workers
         kill_workers(tmp_path / "node2", tmp_path / "node2" / "worker.py")
         second.wait()
-        tracker = (ckpt / "latest_checkpointed_iteration.txt").read_text()
         rc = first.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         pytest.fail(f"the surviving agent did not end in {START_TO_END_S} s:\n{log_path.read_text()[-6000:]}")

@@ -51,7 +51,10 @@ ITERATION = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|", 
 #: workers in sessions of their own, which outlive a torchrun killed on a timeout). In the first
 #: attempt, the rank whose LOCAL_RANK is PAUSE_RANK stops at PAUSE_AT ("after:<iteration>": once
 #: that iteration and its save are done; "saving:<iteration>": half-way through writing that
-#: iteration's checkpoint), writes its pid to PAUSE_FILE and sleeps until the test kills it.
+#: iteration's checkpoint), writes its pid to PAUSE_FILE and sleeps until the test kills it. With
+#: LATE_LINE="<rank>:<iteration>:<seconds>", the rank whose RANK is <rank> logs that iteration's line
+#: (the last rank logs them) that many seconds late in the first attempt, as a process that a loaded
+#: machine did not schedule at once after the iteration's last collective.
 WORKER = """
 import os, runpy, sys, time
 
@@ -94,6 +97,19 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] 
             return save(obj, f, *args, **kwargs)
 
         torch.save = save_half_then_pause
+late_rank, _, late = os.environ.get("LATE_LINE", "").partition(":")
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and late_rank == os.environ["RANK"]:
+    import distlab.gpt.pretrain as pretrain
+
+    late_at, late_s = late.split(":")
+    log_iteration = pretrain.log_iteration
+
+    def log_iteration_late(run, *args, **kwargs):
+        if run.iteration == int(late_at):
+            time.sleep(float(late_s))
+        log_iteration(run, *args, **kwargs)
+
+    pretrain.log_iteration = log_iteration_late
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
 """
