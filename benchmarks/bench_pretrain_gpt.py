@@ -27,9 +27,10 @@ import torch
 
 from distlab import REPO_ROOT
 from distlab.gpt.arguments import parse_args, parse_split, validate_args
+from distlab.gpt.arguments.to_configs import lr_schedule, optimizer_config
 from distlab.gpt.data.gpt_dataset import build_datasets
 from distlab.gpt.data.tokenizer import GPT2BPETokenizer
-from distlab.gpt.optimizer.optimizer import LRSchedule, build_optimizer
+from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.pretrain import pretrain
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
@@ -62,8 +63,8 @@ def plain_loop(argv: list[str]) -> list[float]:
     cfg = GPTConfig(args.num_layers, args.hidden_size, args.num_attention_heads, vocab, args.seq_length,
                     seed=args.seed)  # fmt: skip
     model = GPTModel(cfg)
-    opt = build_optimizer(model, args)
-    LRSchedule(args).apply(opt, 1)
+    opt = build_optimizer(model, optimizer_config(args))
+    lr_schedule(args).apply(opt, 1)
     train = build_datasets(args.data_path, parse_split(args.split), args.seq_length,
                            [args.train_iters * args.global_batch_size, 0, 0], args.seed)[0]  # fmt: skip
     times = []

@@ -32,7 +32,7 @@ import os
 import sys
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.build import model_config
+from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.data.tokenizer import GPT2BPETokenizer
 from distlab.gpt.inference import course_checkpoint, hf_checkpoint
 from distlab.gpt.inference.architecture import ConversionError

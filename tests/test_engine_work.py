@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from distlab.gpt.arguments import parse_args
+from distlab.gpt.arguments.from_args import model_flops_per_iteration
 from distlab.gpt.context_parallel.ring_attention import pair_work
 from distlab.gpt.layout import Layout
 from distlab.gpt.planning import engine_work as work
 from distlab.gpt.planning.hardware import Hardware, Link, load
 from distlab.gpt.planning.step_model import predict_step
-from distlab.gpt.training.flops import model_flops_per_iteration
 
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --lr 1e-3"

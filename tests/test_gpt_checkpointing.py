@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.arguments.to_configs import checkpoint_config
 from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
@@ -25,21 +27,21 @@ from tests.conftest import run_gloo
 pytestmark = pytest.mark.timeout(120)
 
 
-def _args(root: str, **kw) -> PretrainArgs:
+def _config(root: str, **kw) -> CheckpointConfig:
     shape = dict(num_layers=1, hidden_size=16, num_attention_heads=2, max_position_embeddings=8) | kw
-    return PretrainArgs(save=root, load=root, **shape)
+    return checkpoint_config(PretrainArgs(save=root, load=root, **shape))
 
 
 def _scenario(ctx: DistContext, root: str) -> None:
     rank = ctx.rank
     state = ParallelState.build(Layout(dist.get_world_size()))
-    args = _args(root)
+    config = _config(root)
     model = GPTModel(GPTConfig(1, 16, 2, 32, 8, seed=rank), state)  # different on purpose: dp rank 0 saves
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).mean().backward()
     opt.step()
     checkpointing.save_checkpoint(
-        args, state, Snapshot(model, opt, {"scale": 8.0}, iteration=1, consumed_samples=4)
+        config, state, Snapshot(model, opt, {"scale": 8.0}, iteration=1, consumed_samples=4)
     )
     saved = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -53,7 +55,7 @@ def _scenario(ctx: DistContext, root: str) -> None:
     try:
         with pytest.raises(KeyboardInterrupt):
             checkpointing.save_checkpoint(
-                args, state, Snapshot(model, opt, None, iteration=2, consumed_samples=8)
+                config, state, Snapshot(model, opt, None, iteration=2, consumed_samples=8)
             )
     finally:
         torch.save = real_save
@@ -65,11 +67,11 @@ def _scenario(ctx: DistContext, root: str) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    iteration, consumed, scaler = checkpointing.load_checkpoint(args, state, model, opt)
+    iteration, consumed, scaler = checkpointing.load_checkpoint(config, state, model, opt)
     result.update(iteration=iteration, consumed=consumed, scaler=scaler)
     result["restored"] = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     try:
-        checkpointing.load_checkpoint(_args(root, hidden_size=32), state, model, opt)
+        checkpointing.load_checkpoint(_config(root, hidden_size=32), state, model, opt)
     except ValueError as exc:
         result["mismatch"] = str(exc)
     Path(root, f"result{rank}.json").write_text(json.dumps(result))
@@ -208,12 +210,12 @@ def _crash_worker(ctx: DistContext, root: str, fmt: str, out: str) -> None:
 
     def save(where: str, iteration: int) -> None:
         save_fn = dist_checkpointing.save_checkpoint if fmt == "torch_dist" else checkpointing.save_checkpoint
-        save_fn(_args(where, ckpt_format=fmt), state, Snapshot(model, opt, None, iteration, 4 * iteration))
+        save_fn(_config(where, ckpt_format=fmt), state, Snapshot(model, opt, None, iteration, 4 * iteration))
 
     def loaded(where: str) -> tuple[int, str]:
         weights(100.0)
         load_fn = dist_checkpointing.load_checkpoint if fmt == "torch_dist" else checkpointing.load_checkpoint
-        iteration = load_fn(_args(where, ckpt_format=fmt), state, model, opt)[0]
+        iteration = load_fn(_config(where, ckpt_format=fmt), state, model, opt)[0]
         now = model.state_dict()
         same = [name for name, w in states.items() if all(torch.equal(now[k], v) for k, v in w.items())]
         return iteration, "".join(same)

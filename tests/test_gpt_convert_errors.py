@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.build import model_config
+from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint, llama, mixtral

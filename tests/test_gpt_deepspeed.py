@@ -82,13 +82,13 @@ def _batches(rank: int) -> list:
 
 
 def _model_and_optimizer():
-    from distlab.gpt.arguments import PretrainArgs
     from distlab.gpt.optimizer.optimizer import build_optimizer
+    from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
     from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
     model = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
                                max_position_embeddings=SEQ, seed=7))  # fmt: skip
-    return model, build_optimizer(model, PretrainArgs(lr=1e-3, weight_decay=0.01))
+    return model, build_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.01))
 
 
 def _worker(ctx: DistContext, out: str) -> None:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
+from distlab.gpt.arguments.to_configs import checkpoint_config, optimizer_config
 from distlab.gpt.checkpointing import checkpointing, dist_checkpointing
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
@@ -96,10 +97,11 @@ def _pipeline_scenario(ctx: DistContext, root: str) -> None:
     args = PretrainArgs(save=root, load=root, ckpt_format="torch_dist", num_layers=2, hidden_size=16,
                         num_attention_heads=2, max_position_embeddings=8, lr=0.1,
                         pipeline_model_parallel_size=2)  # fmt: skip
+    config = checkpoint_config(args)
 
     def build() -> tuple[GPTModel, torch.optim.Optimizer]:
         model = GPTModel(GPTConfig(2, 16, 2, 32, 8), state)
-        return model, build_optimizer(model, args)
+        return model, build_optimizer(model, optimizer_config(args))
 
     def perturbed() -> tuple[GPTModel, torch.optim.Optimizer]:
         model, optimizer = build()
@@ -109,9 +111,9 @@ def _pipeline_scenario(ctx: DistContext, root: str) -> None:
         return model, optimizer
 
     model, optimizer = build()  # no step yet: only the model is saved (fp16 overflows, e.g.)
-    dist_checkpointing.save_checkpoint(args, state, Snapshot(model, optimizer, {"scale": 8.0}, 1, 4))
+    dist_checkpointing.save_checkpoint(config, state, Snapshot(model, optimizer, {"scale": 8.0}, 1, 4))
     fresh, fresh_opt = perturbed()
-    loaded = dist_checkpointing.load_checkpoint(args, state, fresh, fresh_opt)
+    loaded = dist_checkpointing.load_checkpoint(config, state, fresh, fresh_opt)
     result = {"loaded": list(loaded), "no_state": not fresh_opt.state}
     result["model_1"] = all(
         torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True)
@@ -119,9 +121,9 @@ def _pipeline_scenario(ctx: DistContext, root: str) -> None:
     for p in model.parameters():  # one Adam step on made-up gradients
         p.grad = torch.randn_like(p)
     optimizer.step()
-    dist_checkpointing.save_checkpoint(args, state, Snapshot(model, optimizer, None, 2, 8))
+    dist_checkpointing.save_checkpoint(config, state, Snapshot(model, optimizer, None, 2, 8))
     fresh, fresh_opt = perturbed()
-    dist_checkpointing.load_checkpoint(args, state, fresh, fresh_opt)
+    dist_checkpointing.load_checkpoint(config, state, fresh, fresh_opt)
     result["model_2"] = all(
         torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True)
     )
@@ -231,11 +233,11 @@ def test_refusals_name_the_fix(runs, data, tmp_path) -> None:
     dist_ckpt, _ = runs["plain"]
     args = parse_args([*TINY, "--load", str(dist_ckpt)])
     with pytest.raises(FileNotFoundError, match="written with --ckpt-format torch_dist .*: load it with"):
-        checkpointing.load_checkpoint(args, single, None, None)
+        checkpointing.load_checkpoint(checkpoint_config(args), single, None, None)
     (tmp_path / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
     (tmp_path / checkpointing.TRACKER).write_text("1")
     args = parse_args([*TINY, *DIST, "--load", str(tmp_path)])
     with pytest.raises(
         FileNotFoundError, match="written with --ckpt-format torch; load it with --ckpt-format torch"
     ):
-        dist_checkpointing.load_checkpoint(args, single, None, None)
+        dist_checkpointing.load_checkpoint(checkpoint_config(args), single, None, None)

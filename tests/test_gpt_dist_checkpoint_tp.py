@@ -28,7 +28,7 @@ import torch
 
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.build import model_config
+from distlab.gpt.arguments.to_configs import checkpoint_config, model_config, optimizer_config
 from distlab.gpt.checkpointing import dist_checkpointing
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
@@ -82,9 +82,9 @@ def _tp2_scenario(ctx: DistContext, root: str, family: str) -> None:
             grad = torch.randn(whole[name].shape, generator=torch.Generator().manual_seed(len(name)))
             p.copy_(whole[name] if dim is None else shard(whole[name], dim, 2, state.tp_rank, stride))
             p.grad = grad if dim is None else shard(grad, dim, 2, state.tp_rank, stride)
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model, optimizer_config(args))
     optimizer.step()
-    dist_checkpointing.save_checkpoint(args, state, Snapshot(model, optimizer, None, 1, 8))
+    dist_checkpointing.save_checkpoint(checkpoint_config(args), state, Snapshot(model, optimizer, None, 1, 8))
     moments = {n: optimizer.state[p] for n, p in model.named_parameters()}
     torch.save(
         {"params": dict(model.named_parameters()), "moments": moments}, Path(root, f"rank{ctx.rank}.pt")
@@ -102,8 +102,10 @@ def test_a_tp2_checkpoint_loads_at_tp1_equal_to_its_shards(tp2) -> None:
     tp2, family = tp2
     args = _args(family, 1, str(tp2))
     model = GPTModel(model_config(args, VOCAB))
-    optimizer = build_optimizer(model, args)
-    assert dist_checkpointing.load_checkpoint(args, ParallelState(Layout(1), rank=0), model, optimizer) == (
+    optimizer = build_optimizer(model, optimizer_config(args))
+    assert dist_checkpointing.load_checkpoint(
+        checkpoint_config(args), ParallelState(Layout(1), rank=0), model, optimizer
+    ) == (
         1,
         8,
         None,
@@ -134,7 +136,10 @@ def test_a_vocabulary_padded_otherwise_is_refused(tp2) -> None:
         match=r"holds a padded vocabulary of 128 rows .* pads to 64 .*divisible-by 64 x tp 1\): .*give --make-vocab-size-divisible-by 128$",
     ):
         dist_checkpointing.load_checkpoint(
-            args, ParallelState(Layout(1), rank=0), model, build_optimizer(model, args)
+            checkpoint_config(args),
+            ParallelState(Layout(1), rank=0),
+            model,
+            build_optimizer(model, optimizer_config(args)),
         )
 
 
@@ -146,7 +151,10 @@ def test_convert_to_hf_reads_a_tp2_torch_dist_checkpoint(tp2, tmp_path) -> None:
     args = _args(family, 1, str(tp2))
     model = GPTModel(model_config(args, VOCAB))
     dist_checkpointing.load_checkpoint(
-        args, ParallelState(Layout(1), rank=0), model, build_optimizer(model, args)
+        checkpoint_config(args),
+        ParallelState(Layout(1), rank=0),
+        model,
+        build_optimizer(model, optimizer_config(args)),
     )
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens()).logits, model.eval()(tokens()), rtol=0, atol=1e-5)

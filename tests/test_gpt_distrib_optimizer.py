@@ -14,16 +14,17 @@ estimator predicts.
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer, bytes_per_parameter
+from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import estimate
 from distlab.gpt.memory.setup import MemorySetup
 from distlab.gpt.optimizer.optimizer import build_optimizer
+from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
@@ -36,10 +37,7 @@ CFG = GPTConfig(
 )
 B, M, STEPS, T = 2, 2, 3, 16  # micro batch b, micro-batches m per rank, steps, sequence length
 BUCKET = 5000  # elements: about half a block (12 H^2 + 13 H = 12704) per bucket
-ARGS = SimpleNamespace(
-    optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-    decoupled_lr=None, decoupled_min_lr=None, ddp_bucket_size=BUCKET,
-)  # fmt: skip
+OPTIM = OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_beta2=0.95)  # Adam
 
 
 def _data() -> torch.Tensor:
@@ -49,14 +47,15 @@ def _data() -> torch.Tensor:
 
 
 def distributed(model: GPTModel, state: ParallelState, dtype=torch.float32, overlap=False, bf16_grads=False):
-    """``build_distributed_optimizer`` with :data:`ARGS` (and both overlaps, or neither)."""
-    args = SimpleNamespace(
-        **vars(ARGS),
+    """``build_distributed_optimizer`` with :data:`OPTIM` in :data:`BUCKET`-element buckets (and both
+    overlaps, or neither)."""
+    ddp = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
+        bucket_size=BUCKET,
         grad_reduce_in_bf16=bf16_grads,
     )
-    return build_distributed_optimizer(model, state, args, dtype)
+    return build_distributed_optimizer(model, state, OPTIM, ddp, dtype)
 
 
 def _train(
@@ -64,7 +63,7 @@ def _train(
 ):
     """STEPS steps of this rank's micro-batches; (losses, parameters, optimizer, (overlap seen, norms))."""
     model = GPTModel(CFG, state)
-    opt = distributed(model, state, dtype, overlap) if distopt else build_optimizer(model, ARGS)
+    opt = distributed(model, state, dtype, overlap) if distopt else build_optimizer(model, OPTIM)
     backend = LocalBackend(model, opt, state, clip_grad=1.0, bucket_size=BUCKET)
     seen = []  # bucket 0's reduce-scatter in flight when wte's gradient is accumulated
     if distopt:

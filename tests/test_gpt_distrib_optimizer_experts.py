@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer
+from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import estimate
 from distlab.gpt.memory.meters import MiB
 from distlab.gpt.memory.setup import MemorySetup
 from distlab.gpt.moe.moe_layer import MoEConfig
+from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
@@ -143,10 +144,9 @@ def _every_bucket_waited_rank(ctx) -> None:
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, max_position_embeddings=16,
                     untie_embeddings_and_output_weights=True, moe=MoEConfig(num_experts=4))  # fmt: skip
     model = GPTModel(cfg, ParallelState.build(Layout(2)))
-    args = SimpleNamespace(optimizer="adam", lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
-                           adam_eps=1e-8, decoupled_lr=None, decoupled_min_lr=None, ddp_bucket_size=1000,
-                           overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_bf16=False)  # fmt: skip
-    buffer = build_distributed_optimizer(model, model.state, args, torch.float32).buffer
+    optim = OptimizerConfig(lr=1e-3, weight_decay=0.0, adam_beta2=0.95)
+    ddp = DistributedDataParallelConfig(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
+    buffer = build_distributed_optimizer(model, model.state, optim, ddp, torch.float32).buffer
     experts = {i for i, b in enumerate(buffer.buckets) if all(".experts." in n for n, p in model.named_parameters()
                                                               if any(p is q for q in b.params))}  # fmt: skip
     assert len(buffer.buckets) > 10 and experts, len(buffer.buckets)  # buckets of experts' weights alone

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.build import model_config
+from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.inference import course_checkpoint, hf_checkpoint
 from distlab.gpt.inference.generation import Sampling, generate
 from distlab.gpt.inference.llama import LLAMA

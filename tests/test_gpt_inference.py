@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.inference import course_checkpoint
 from distlab.gpt.inference.generation import Sampling, generate, next_token
 from distlab.gpt.inference.kv_cache import KVCache
@@ -84,7 +85,7 @@ def test_a_release_checkpoint_is_refused_by_the_torch_dist_loader(tmp_path):
 
     args = PretrainArgs(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=32)
     course_checkpoint.write_release(str(tmp_path), args, CFG, GPTModel(CFG).state_dict())
-    loading = PretrainArgs(load=str(tmp_path), ckpt_format="torch_dist")
+    loading = CheckpointConfig(load=str(tmp_path), ckpt_format="torch_dist")
     with pytest.raises(
         FileNotFoundError, match="holds a release checkpoint .* load it with --ckpt-format torch"
     ):

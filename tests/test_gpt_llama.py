@@ -231,7 +231,8 @@ def test_llama_model_flops_equal_pytorchs_flop_counter() -> None:
     """The generalised formula (GQA's qkv, SwiGLU's three matrices, kv-channels) against
     torch.utils.flop_counter over the meta-device Llama; GPT-2's formula would miss it."""
     from distlab.gpt.arguments import PretrainArgs
-    from distlab.gpt.training.flops import counted_flops, model_flops_per_iteration
+    from distlab.gpt.arguments.from_args import model_flops_per_iteration
+    from distlab.gpt.training.flops import counted_flops
 
     shape = dict(num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=4096, seq_length=64, batch=2)
     arch = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.optimizer.optimizer import LRSchedule
-from distlab.gpt.training.flops import (
-    counted_flops,
-    flops_line,
-    measure_gemm_tflops,
-    mfu,
-    model_flops_per_iteration,
+from distlab.gpt.arguments.from_args import model_flops_per_iteration
+from distlab.gpt.arguments.to_configs import flops_config, lr_schedule
+from distlab.gpt.training.flops import counted_flops, flops_line, measure_gemm_tflops, mfu
+from distlab.gpt.training.log import (
+    ITERATION_RE,
+    ProfilerConfig,
+    StepProfiler,
+    iteration_line,
+    validation_lines,
 )
-from distlab.gpt.training.log import ITERATION_RE, StepProfiler, iteration_line, validation_lines
 
 # The line of the issue, which the notebooks grep (Megatron-LM's training_log).
 MEGATRON = (" iteration      100/     100 | consumed samples:          800 | elapsed time per iteration (ms): 537.3 |"
@@ -64,7 +65,7 @@ def test_validation_box():
 def test_lr_schedule_warmup_decay_floor(style):
     args = PretrainArgs(lr=1.0, min_lr=0.1, lr_decay_style=style, lr_decay_iters=100, lr_warmup_fraction=0.1,
                         train_iters=120)  # fmt: skip
-    lr = LRSchedule(args)
+    lr = lr_schedule(args)
     assert [lr(i) for i in (1, 5, 10)] == pytest.approx([0.1, 0.5, 1.0])  # linear warm-up over 10
     mid = 0.1 + 0.9 * (0.5 if style == "linear" else 0.5 * (math.cos(math.pi * 0.5) + 1))
     assert lr(55) == pytest.approx(mid)
@@ -74,7 +75,9 @@ def test_lr_schedule_warmup_decay_floor(style):
 
 def test_model_flops_formula():
     # GPT-2 small, 1 sample of 1024 tokens: 72 s l h^2 (1 + s/(6h) + V/(12 l h)) ~ 0.88 TFLOP (6 N s + attention)
-    args = PretrainArgs(num_layers=12, hidden_size=768, seq_length=1024, global_batch_size=1)
+    args = PretrainArgs(
+        num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, global_batch_size=1
+    )
     f = model_flops_per_iteration(args, 50304)
     assert f == pytest.approx(72 * 1024 * 12 * 768**2 * (1 + 1024 / (6 * 768) + 50304 / (12 * 12 * 768)))
     assert 0.8e12 < f < 1.0e12
@@ -90,7 +93,7 @@ def test_model_flops_formula():
     assert model_flops_per_iteration(args, 50304) == pytest.approx(
         f + r * 24 * 1024 * 768**2 * (1 + 1024 / (6 * 768))
     )
-    assert "s/(6h)" in flops_line(args, 50304)
+    assert "s/(6h)" in flops_line(flops_config(args, 50304))
 
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=4096, seq_length=64, batch=2)
@@ -98,7 +101,7 @@ SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=409
 
 def _args(granularity=None):
     full = granularity == "full"
-    return PretrainArgs(num_layers=2, hidden_size=64, seq_length=64, global_batch_size=2,
+    return PretrainArgs(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, global_batch_size=2,
                         recompute_granularity=granularity, recompute_method="uniform" if full else None,
                         recompute_num_layers=1 if full else None)  # fmt: skip
 
@@ -160,10 +163,10 @@ def test_measured_gemm_rate_with_the_jobs_threads_restores_torchs_count(monkeypa
 def _profiled_iterations(tmp_path, capsys, first_iteration, last_iteration, start=3, end=5):
     """A tiny model's iterations ``first_iteration..last_iteration`` under StepProfiler, as the
     training loop drives it; returns the trace's events (None without a trace) and the printed log."""
-    args = PretrainArgs(profile_execution=True, profile_name="tiny", tensorboard_dir=str(tmp_path),
-                        profile_step_start=start, profile_step_end=end, train_iters=6)  # fmt: skip
+    config = ProfilerConfig(profile_execution=True, profile_name="tiny", tensorboard_dir=str(tmp_path),
+                            profile_step_start=start, profile_step_end=end)  # fmt: skip
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
-    profiler = StepProfiler(args, rank=0, first_iteration=first_iteration)
+    profiler = StepProfiler(config, rank=0, first_iteration=first_iteration)
     for _ in range(first_iteration, last_iteration + 1):
         model(torch.randn(8, 16)).square().mean().backward()  # (b, 16)
         profiler.step()

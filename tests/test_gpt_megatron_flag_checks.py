@@ -12,9 +12,15 @@ import torch
 
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.arguments.implementations import implementation_lines
+from distlab.gpt.arguments.to_configs import (
+    checkpoint_config,
+    housekeeping_config,
+    lr_schedule,
+    optimizer_config,
+)
 from distlab.gpt.distributed.grad_buckets import GradBuckets
 from distlab.gpt.layout import Layout
-from distlab.gpt.optimizer.optimizer import LRSchedule, build_optimizer
+from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training import housekeeping
 from distlab.gpt.training.log import iteration_line
@@ -105,8 +111,8 @@ def test_sample_schedule_equals_iteration_schedule():
     it, _ = check([*common, "--train-iters", "10", "--lr-decay-iters", "8", "--lr-warmup-iters", "2"])
     sa, _ = check([*common, "--train-samples", "40", "--lr-decay-samples", "32", "--lr-warmup-samples", "8"])
     assert sa.train_iters == it.train_iters == 10
-    lrs = [LRSchedule(it)(i) for i in range(1, 11)]
-    assert [LRSchedule(sa)(i) for i in range(1, 11)] == pytest.approx(lrs, rel=1e-12)
+    lrs = [lr_schedule(it)(i) for i in range(1, 11)]
+    assert [lr_schedule(sa)(i) for i in range(1, 11)] == pytest.approx(lrs, rel=1e-12)
     assert lrs[1] == pytest.approx(1e-3) and lrs[7] == pytest.approx(1e-4) and lrs[0] < lrs[1] > lrs[4]
     fr_it, _ = check(
         [*common, "--train-iters", "10", "--lr-decay-iters", "8", "--lr-warmup-fraction", "0.25"]
@@ -115,8 +121,8 @@ def test_sample_schedule_equals_iteration_schedule():
         [*common, "--train-samples", "42", "--lr-decay-samples", "32", "--lr-warmup-fraction", "0.25"]
     )
     assert fr_sa.train_iters == 10  # Megatron: train samples // global batch
-    assert [LRSchedule(fr_sa)(i) for i in range(1, 11)] == pytest.approx(
-        [LRSchedule(fr_it)(i) for i in range(1, 11)]
+    assert [lr_schedule(fr_sa)(i) for i in range(1, 11)] == pytest.approx(
+        [lr_schedule(fr_it)(i) for i in range(1, 11)]
     )
 
 
@@ -131,33 +137,36 @@ def test_decoupled_lr_is_the_word_embedding_and_output_layer():
     args, _ = check([*BASE, "--lr-warmup-iters", "1", "--decoupled-lr", "5e-4", "--decoupled-min-lr", "4.5e-5",
                      "--min-lr", "1e-5", "--lr-decay-style", "linear"])  # fmt: skip
     model = _model(args)
-    opt = build_optimizer(model, args)
+    opt = build_optimizer(model, optimizer_config(args))
     names = {id(p): n for n, p in model.named_parameters()}
     decoupled = [names[id(p)] for g in opt.param_groups if g["max_lr"] == 5e-4 for p in g["params"]]
     assert decoupled == ["wte.weight"]  # E, also the output layer here (tied); not the position table
-    schedule = LRSchedule(args)
+    schedule = lr_schedule(args)
     for iteration, (run_lr, e_lr) in ((1, (1e-3, 5e-4)), (4, (1e-5, 4.5e-5))):  # warm-up end, decay end
         assert schedule.apply(opt, iteration) == pytest.approx(run_lr)
         by_name = {names[id(p)]: g["lr"] for g in opt.param_groups for p in g["params"]}
         assert by_name["wte.weight"] == pytest.approx(e_lr) and by_name["wpe.weight"] == pytest.approx(run_lr)
     plain, _ = check(BASE)
-    assert {g["max_lr"] for g in build_optimizer(_model(plain), plain).param_groups} == {1e-3}
+    assert {g["max_lr"] for g in build_optimizer(_model(plain), optimizer_config(plain)).param_groups} == {
+        1e-3
+    }
 
 
 def test_manual_gc_collects_only_where_megatron_does():
     args, _ = check([*BASE, "--manual-gc", "--manual-gc-interval", "2"])
+    config = housekeeping_config(args)
     collections = []
     gc.callbacks.append(collect := lambda phase, info: collections.append(phase == "start"))
     try:
-        housekeeping.start_manual_gc(args)
+        housekeeping.start_manual_gc(config)
         assert not gc.isenabled() and collections.count(True) == 1
-        housekeeping.collect_after_step(args, 1)
+        housekeeping.collect_after_step(config, 1)
         assert collections.count(True) == 1
-        housekeeping.collect_after_step(args, 2)
-        housekeeping.collect_around_validation(args)
+        housekeeping.collect_after_step(config, 2)
+        housekeeping.collect_around_validation(config)
         assert collections.count(True) == 3
     finally:
-        housekeeping.stop_manual_gc(args)
+        housekeeping.stop_manual_gc(config)
         gc.callbacks.remove(collect)
     assert gc.isenabled()
     off, _ = check([*BASE, "--manual-gc", "--no-manual-gc-eval"])
@@ -223,13 +232,13 @@ def _load_flags(ctx, root: str, fmt: str) -> None:
         num_layers=1, hidden_size=16, num_attention_heads=2, max_position_embeddings=8, ckpt_format=fmt
     )
     module.save_checkpoint(
-        PretrainArgs(save=root, **shape), state, Snapshot(model, opt, {"scale": 8.0}, 1, 4)
+        checkpoint_config(PretrainArgs(save=root, **shape)), state, Snapshot(model, opt, {"scale": 8.0}, 1, 4)
     )
     after_save = torch.rand(3)  # the generator's next numbers as saved
     for no_optim, no_rng in ((True, True), (False, False)):
         fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
         args = PretrainArgs(load=root, no_load_optim=no_optim, no_load_rng=no_rng, **shape)
-        iteration, consumed, scaler = module.load_checkpoint(args, state, model, fresh)
+        iteration, consumed, scaler = module.load_checkpoint(checkpoint_config(args), state, model, fresh)
         assert (iteration, consumed) == (1, 4)  # --no-load-optim keeps the iteration and the samples
         assert (len(fresh.state) == 0) == no_optim and (scaler is None) == no_optim, (no_optim, scaler)
         assert torch.equal(torch.rand(3), after_save) != no_rng  # the saved stream, unless --no-load-rng

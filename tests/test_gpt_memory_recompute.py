@@ -31,7 +31,7 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, estimate
 from distlab.gpt.memory.meters import PeakMeter
 from distlab.gpt.optimizer.optimizer import build_optimizer
-from distlab.gpt.arguments import parse_args
+from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
@@ -40,12 +40,12 @@ torch.set_num_threads(1)
 L, h, a, s, b, V = {shape}
 recompute = {recompute}
 state = ParallelState(Layout(1), rank=0)
-args = parse_args(["--lr", "1e-4"])
+optim = OptimizerConfig(lr=1e-4)
 
 
 def step(cfg, b, s):
     model = GPTModel(cfg, state)
-    backend = LocalBackend(model, build_optimizer(model, args), state, clip_grad=1.0)
+    backend = LocalBackend(model, build_optimizer(model, optim), state, clip_grad=1.0)
     tokens = torch.randint(0, cfg.vocab_size, (b, s + 1))  # (b, s + 1)
     amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
     train_step(backend, [(tokens[:, :-1], tokens[:, 1:])], state=state, autocast=amp)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
+from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, stage_parameters
 from distlab.gpt.moe.expert_parallel import combine, dispatch
@@ -25,6 +25,7 @@ from distlab.gpt.moe.experts import ExpertMLP
 from distlab.gpt.moe.moe_layer import MoEConfig, moe_layers, set_aux_loss_scale, take_stats
 from distlab.gpt.moe.router import load_balancing_loss, route
 from distlab.gpt.optimizer.optimizer import build_optimizer
+from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pretrain import log_moe
 from distlab.gpt.tensor_parallel.layers import shard
@@ -217,8 +218,7 @@ def _train(
         num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=V, max_position_embeddings=T, moe=moe
     )
     model = GPTModel(cfg, state)
-    args = PretrainArgs(lr=1e-2)
-    backend = LocalBackend(model, build_optimizer(model, args), state, clip_grad=1.0)
+    backend = LocalBackend(model, build_optimizer(model, OptimizerConfig(lr=1e-2)), state, clip_grad=1.0)
     dp, out = state.dp, {"losses": [], "norms": [], "counts": [], "aux": [], "dropped": []}
     for _ in range(STEPS):
         rows = [k * b * dp + state.dp_rank * b for k in range(B // (b * dp))]  # this rank's micro-batches

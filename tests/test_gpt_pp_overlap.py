@@ -27,7 +27,7 @@ from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from tests.conftest import run_gloo
-from tests.test_gpt_distrib_optimizer import ARGS, distributed
+from tests.test_gpt_distrib_optimizer import OPTIM, distributed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,14 +71,14 @@ class Collectives:
 
 
 def _train(state: ParallelState, *, overlap: bool, adam: bool, distopt: bool = False, vp: int = 1) -> dict:
-    """STEPS steps of this rank's micro-batches (Adam of ARGS, distributed or not, else SGD):
+    """STEPS steps of this rank's micro-batches (Adam of OPTIM, distributed or not, else SGD):
     losses, norms, parameters by global name, the dp collectives of each step, and per backward
     of the last chunk whether a bucket was in flight."""
     model = GPTModel(CFG, state)
     if distopt:
         opt = distributed(model, state, overlap=overlap)
     elif adam:
-        opt = build_optimizer(model, ARGS)
+        opt = build_optimizer(model, OPTIM)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     backend = LocalBackend(model, opt, state, clip_grad=1.0, overlap_grad_reduce=overlap, bucket_size=BUCKET)

@@ -32,13 +32,12 @@ def _type_checking_blocks(tree: ast.AST) -> set[int]:
     return skip
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The distlab modules ``path`` imports (``from a import b`` counts ``a.b`` when it is a module,
-    and every package above an imported module: its ``__init__`` runs first)."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text())
-    skip = _type_checking_blocks(tree)
+def named_modules(source: str, package: str, *, type_checking: bool = False) -> set[str]:
+    """The modules the import statements of ``source`` (a module of ``package``) name, in functions
+    too: ``import a.b`` names ``a.b``, ``from a import b`` names ``a`` and ``a.b`` (relative imports
+    resolved); those under ``if TYPE_CHECKING:`` only with ``type_checking``."""
+    tree = ast.parse(source)
+    skip = set() if type_checking else _type_checking_blocks(tree)
     found = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -53,6 +52,15 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
                 )
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The distlab modules ``path`` imports (``from a import b`` counts ``a.b`` when it is a module,
+    and every package above an imported module: its ``__init__`` runs first)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = named_modules(path.read_text(), package)
     found |= {
         m.rsplit(".", k)[0] for m in found for k in range(1, m.count(".") + 1)
     }  # packages' __init__ run first
@@ -124,11 +132,11 @@ LAYERS = (
     "transformer",
     "pipeline_parallel",
     "deepspeed",
-    "arguments",
     "optimizer",
     "distributed",
     "checkpointing",
     "training",
+    "arguments",
     "native",
     "memory",
     "build",
@@ -204,6 +212,45 @@ def test_no_gpt_module_is_over_the_line_limit() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+#: Megatron Core's rule: the core never imports its command line. These packages take typed
+#: configs, which ``arguments/to_configs.py`` builds from the flags, once.
+CORE = ("transformer", "optimizer", "distributed", "checkpointing", "training")
+ARGUMENTS = "distlab.gpt.arguments"
+
+
+def command_line_imports(source: str, package: str) -> list[str]:
+    """The modules of :data:`ARGUMENTS` that ``source`` imports, ``TYPE_CHECKING`` blocks included."""
+    named = named_modules(source, package, type_checking=True)
+    return sorted(m for m in named if m == ARGUMENTS or m.startswith(ARGUMENTS + "."))
+
+
+def test_the_core_never_imports_the_command_line() -> None:
+    found = {
+        str(path.relative_to(GPT)): bad
+        for layer in CORE
+        for path in sorted((GPT / layer).rglob("*.py"))
+        if (bad := command_line_imports(path.read_text(), f"distlab.gpt.{layer}"))
+    }
+    assert not found, f"{', '.join(CORE)} take typed configs, never the arguments (to_configs.py): {found}"
+
+
+def test_the_command_line_check_sees_every_kind_of_import() -> None:
+    source = """
+from typing import TYPE_CHECKING
+from ..arguments.groups import PretrainArgs
+if TYPE_CHECKING:
+    from distlab.gpt import arguments
+def f():
+    import distlab.gpt.arguments.parser
+"""
+    assert command_line_imports(source, "distlab.gpt.training") == [
+        "distlab.gpt.arguments",
+        "distlab.gpt.arguments.groups",
+        "distlab.gpt.arguments.groups.PretrainArgs",
+        "distlab.gpt.arguments.parser",
+    ]
 
 
 def test_the_package_docstring_maps_the_layers_in_order() -> None:

@@ -14,7 +14,7 @@ import torch
 
 from distlab.checks import ExerciseError
 from distlab.gpt.arguments import parse_args
-from distlab.gpt.build import model_config
+from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.transformer.model import GPTModel

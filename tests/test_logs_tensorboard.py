@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from distlab.gpt.arguments import parse_args
+from distlab.gpt.arguments.to_configs import logging_config
 from distlab.gpt.training.log import TensorBoardLog
 from distlab.logs.tensorboard import plot_runs, read_scalars
 
 
 def _write(folder, losses):
     args = parse_args(["--tensorboard-dir", str(folder), "--log-timers-to-tensorboard"])
-    tb = TensorBoardLog(args, enabled=True)
+    tb = TensorBoardLog(logging_config(args), enabled=True)
     for it, loss in enumerate(losses, start=1):
         tb.training(it, 8 * it, loss=loss, lr=1e-3 / it, loss_scale=1.0, grad_norm=None, iter_ms=250.0,
                     timers={"train-step": 200.0})  # fmt: skip

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.gpt.training.log import StepProfiler
+from distlab.gpt.training.log import ProfilerConfig, StepProfiler
 from distlab.profiling.plots import plot_breakdown, plot_memory, plot_top_operators
 from distlab.profiling.traces import GROUPS, find_traces, load_run
 from tests.test_gpt_training import TINY
@@ -33,11 +32,11 @@ def memory_trace(tmp_path_factory):
     """A run folder with the engine's profiler trace (StepProfiler: memory, shapes, stacks) of an
     MLP's iterations 2 and 3, after the warm-up on iteration 1."""
     tb = tmp_path_factory.mktemp("mem")
-    args = PretrainArgs(profile_execution=True, profile_name="mlp", tensorboard_dir=str(tb), train_iters=3)
+    config = ProfilerConfig(profile_execution=True, profile_name="mlp", tensorboard_dir=str(tb))
     model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 256))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    profiler = StepProfiler(args, rank=0)
-    for _ in range(args.train_iters):
+    profiler = StepProfiler(config, rank=0)
+    for _ in range(3):  # the warm-up, then the traced iterations 2 and 3
         model(torch.randn(128, 256)).square().mean().backward()  # activations: 2 x (128, 2048) fp32
         opt.step()
         opt.zero_grad()

@@ -48,22 +48,26 @@ never up (``tests/test_imports.py`` checks it)::
                        timeline and plot (recorded F/B spans) ~ pipeline_parallel/
     deepspeed/         config (DeepSpeed's JSON, checked), engine (ZeRO as a back end)
                        ~ Megatron-DeepSpeed
-    arguments/         groups (the flags, one dataclass per Megatron group), parser, validation
-                       (validate_args -> the Layout), architecture, backends ~ training/arguments.py
-    optimizer/         optimizer (AdamW, LR schedule), loss_scaler (fp16), precision
+    optimizer/         optimizer_config, optimizer (AdamW, LR schedule), loss_scaler (fp16), precision
                        ~ optimizer/, optimizer_param_scheduler.py
-    distributed/       grad_buckets (dp reduction overlapped with backward), gradients (tied
-                       embedding, dp all-reduce, norm, clipping), param_and_grad_buffer and
-                       distrib_optimizer (--use-distributed-optimizer: ZeRO-1 over dp x cp)
+    distributed/       distributed_data_parallel_config, grad_buckets (dp reduction overlapped with
+                       backward), gradients (tied embedding, dp all-reduce, norm, clipping),
+                       param_and_grad_buffer and distrib_optimizer (--use-distributed-optimizer:
+                       ZeRO-1 over dp x cp)
                        ~ distributed/ param_and_grad_buffer, finalize_model_grads; optimizer/clip_grads,
                        optimizer/distrib_optimizer.py
-    checkpointing/     checkpointing (Megatron's legacy format), dist_checkpointing (DCP: torch_dist),
-                       checkpointer (the run's saves, --async-save)
+    checkpointing/     checkpoint_config, checkpointing (Megatron's legacy format), dist_checkpointing
+                       (DCP: torch_dist), checkpointer (the run's saves and load, --async-save)
                        ~ training/checkpointing.py, dist_checkpointing/
     training/          training (micro-batches, the step, evaluation), log (the log line, TensorBoard,
                        the profiler), flops (MFU), fault_handling (signals, hangs), housekeeping
                        (--manual-gc, --empty-unused-memory-level)
                        ~ training/training.py, training/dist_signal_handler.py
+    arguments/         groups (the flags, one dataclass per Megatron group), parser, validation
+                       (validate_args -> the Layout), architecture, backends, to_configs (the flags
+                       mapped once to the typed configs of transformer/ to training/, which never
+                       import this package), from_args (planning/'s calls with the arguments)
+                       ~ training/arguments.py
     native/            PyTorch's own: dtensor_parallel, fsdp2, torch_pipelining, torch_compile,
                        plan_check ~ distributed/torch_fully_sharded_data_parallel.py (torchtitan)
     memory/            setup and memory_estimate (predicted), meters (measured), activation_memory

@@ -7,6 +7,9 @@
                                    shards), optimizer, precision and loss scaler, LR schedule,
                                    forward/backward, the step back end, --load
 
+The layers below take typed configs, never the arguments: ``build_run`` maps them once
+(``arguments/to_configs.py``) and hands each its own.
+
 Start-up lines follow Megatron's, printed by rank 0 (the parameter count by every
 data-parallel rank 0: one line per model shard). :meth:`Run.step` is the one function that
 turns a global batch into a ``StepResult``: ``training.train_step`` through the run's back end,
@@ -32,9 +35,21 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.distributed import DistContext
-from distlab.gpt.arguments import PretrainArgs, as_list, deepspeed_run_config, parse_split
-from distlab.gpt.arguments.architecture import query_groups
+from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
 from distlab.gpt.arguments.implementations import implementation_lines
+from distlab.gpt.arguments.to_configs import (
+    checkpoint_config,
+    ddp_config,
+    flops_config,
+    housekeeping_config,
+    logging_config,
+    lr_schedule,
+    model_config,
+    moe_config,
+    optimizer_config,
+    precision_config,
+    profiler_config,
+)
 from distlab.gpt.checkpointing import checkpointer, checkpointing
 from distlab.gpt.context_parallel.ring_attention import describe as describe_cp
 from distlab.gpt.context_parallel.ring_attention import ring_of
@@ -48,10 +63,10 @@ from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimize
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.meters import PeakMeter, cap_device_memory
-from distlab.gpt.moe.moe_layer import MoEConfig
 from distlab.gpt.native import torch_compile
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.optimizer.optimizer import LRSchedule, build_optimizer
+from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.optimizer.precision import Precision
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
@@ -59,12 +74,11 @@ from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward, des
 from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size, vocab_padding_message
 from distlab.gpt.tensor_parallel.rng_tracker import model_parallel_manual_seed
-from distlab.gpt.training import log
+from distlab.gpt.training import housekeeping, log
 from distlab.gpt.training.fault_handling import startup_timeout_s
-from distlab.gpt.training.flops import flops_line
+from distlab.gpt.training.flops import flops_line, model_flops_per_iteration
 from distlab.gpt.training.training import LocalBackend, forward_backward, micro_batches, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
-from distlab.gpt.transformer.recompute import granularity_of
 from distlab.logs.formats import BATCH, PARAMETERS
 from distlab.rank_process import cap_cpu_threads, network_settings, print_on
 
@@ -91,6 +105,8 @@ class Run:
     peak_meter: PeakMeter  # started just before the model was built
     backend: StepBackend  # LocalBackend, DeepSpeed's engine (--deepspeed) or FSDP2Backend
     checkpointer: checkpointer.Checkpointer  # --save in --ckpt-format's format (--async-save)
+    housekeeping: housekeeping.HousekeepingConfig  # --manual-gc, --empty-unused-memory-level
+    profiler: log.ProfilerConfig  # what the training loop traces
     deepspeed_config: dict | None = None
     iteration: int = 0
     consumed: int = 0  # samples
@@ -144,7 +160,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     """Groups, data, model, optimizer and schedule, printing Megatron's start-up lines."""
     # groups built for the start; pretrain() sets --distributed-timeout-minutes once every rank is built
     state = ParallelState.build(layout, timeout_s=startup_timeout_s(args.distributed_timeout_minutes))
-    precision = Precision.from_args(args)
+    precision = precision_config(args)
     # torch.distributed.fsdp only for runs that use it: imported, it changes DeepSpeed
     # (checkpointing/checkpointer.py)
     mesh_run = args.use_torch_fsdp2 or (args.tensor_parallel_impl == "dtensor" and layout.tp > 1)
@@ -174,25 +190,27 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
     spec = TokenizerSpec.from_args(args)
     tokenizer = spec.build()
     vocab = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, state.tp)
+    flops = flops_config(args, vocab)
     print_on(rank0, spec.describe(tokenizer), vocab_padding_message(tokenizer.vocab_size, vocab),
-             flops_line(args, vocab), *implementation_lines(args, cuda=device.type == "cuda"))  # fmt: skip
+             flops_line(flops), *implementation_lines(args, cuda=device.type == "cuda"))  # fmt: skip
     datasets = _build_datasets(args, tokenizer, rank0)
     cap = cap_device_memory(args.device_memory_gib, device)
     print_on(rank0 and cap is not None, cap)
     if args.deepspeed:
         importlib.import_module("deepspeed")  # importing it allocates: before the meter's baseline
+    optim, ddp = optimizer_config(args), ddp_config(args)
     if device.type == "cpu":
-        _warm_up_kernels(args, precision)
+        _warm_up_kernels(flops.model, optim, precision)
     peak_meter = PeakMeter(device).start()
     model = build_model(args, state, vocab, device)
     mesh = parallelize_model(args, state, model, device)
-    if args.use_distributed_optimizer:  # Megatron's: parameters in the run's dtype, fp32 main shards
-        optimizer = build_distributed_optimizer(model, state, args, precision.dtype)
+    if optim.use_distributed_optimizer:  # Megatron's: parameters in the run's dtype, fp32 main shards
+        optimizer = build_distributed_optimizer(model, state, optim, ddp, precision.dtype)
         print_on(rank0, distributed_optimizer_line(optimizer, precision.dtype))
     else:
-        optimizer = build_optimizer(model, args)  # on the shards with FSDP2
+        optimizer = build_optimizer(model, optim)  # on the shards with FSDP2
     scaler = precision.loss_scaler()
-    timeline = None
+    timeline, log_config = None, logging_config(args)
     if args.pipeline_timeline:
         timeline = PipelineTimeline(state.pp_rank, state.pp, device, group=state.pp_group)
     run = Run(
@@ -206,25 +224,29 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         model=model,
         optimizer=optimizer,
         scaler=scaler,
-        lr_schedule=LRSchedule(args),
+        lr_schedule=lr_schedule(args),
         forward_backward=build_forward_backward(args, state, device, timeline),
         timeline=timeline,
-        tlog=log.TrainingLog(args, vocab_size=vocab, world_size=ctx.world_size, device=device),
-        tensorboard=log.TensorBoardLog(args, enabled=state.rank == ctx.world_size - 1),
+        tlog=log.TrainingLog(
+            log_config, flops=model_flops_per_iteration(flops), world_size=ctx.world_size, device=device
+        ),
+        tensorboard=log.TensorBoardLog(log_config, enabled=state.rank == ctx.world_size - 1),
         peak_meter=peak_meter,
         backend=LocalBackend(
             model,
             optimizer,
             state,
-            clip_grad=args.clip_grad,
+            clip_grad=optim.clip_grad,
             scaler=scaler,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            bucket_size=args.ddp_bucket_size,
-            reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else None,
+            overlap_grad_reduce=ddp.overlap_grad_reduce,
+            bucket_size=ddp.bucket_size,
+            reduce_dtype=torch.bfloat16 if ddp.grad_reduce_in_bf16 else None,
         )
         if mesh is None
-        else fsdp2.FSDP2Backend(model, optimizer, clip_grad=args.clip_grad),
-        checkpointer=checkpointer.Checkpointer(args, state, device),
+        else fsdp2.FSDP2Backend(model, optimizer, clip_grad=optim.clip_grad),
+        checkpointer=checkpointer.Checkpointer(checkpoint_config(args), state, device),
+        housekeeping=housekeeping_config(args),
+        profiler=profiler_config(args),
     )
     if args.deepspeed:
         use_deepspeed(run)
@@ -289,21 +311,21 @@ def parallelize_model(
     return mesh
 
 
-def _warm_up_kernels(args: PretrainArgs, precision: Precision) -> None:
-    """One step of a one-layer GPT (same precision and recomputation), thrown away, so that the
-    code of the kernels and the thread pools are resident before the CPU meter's baseline: the
-    first iteration's peak is then the run's tensors, not libtorch's pages (about 180 MiB)."""
+def _warm_up_kernels(run_model: GPTConfig, optim: OptimizerConfig, precision: Precision) -> None:
+    """One step of a one-layer GPT (the run's precision, recomputation and optimizer), thrown
+    away, so that the code of the kernels and the thread pools are resident before the CPU meter's
+    baseline: the first iteration's peak is then the run's tensors, not libtorch's pages (about 180 MiB)."""
     cfg = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=2, vocab_size=128,
                     max_position_embeddings=16,
-                    recompute_granularity=granularity_of(args.recompute_activations, args.recompute_granularity),
-                    recompute_method=args.recompute_method,
-                    recompute_num_layers=1 if args.recompute_num_layers else None,  # of its one layer
-                    attention_backend=args.attention_backend)  # fmt: skip
+                    recompute_granularity=run_model.recompute_granularity,
+                    recompute_method=run_model.recompute_method,
+                    recompute_num_layers=1 if run_model.recompute_num_layers else None,  # of its one layer
+                    attention_backend=run_model.attention_backend)  # fmt: skip
     single = ParallelState(Layout(1), rank=0)
     model = GPTModel(cfg, single)
     tokens = torch.randint(0, 128, (2, 17))  # (b, s + 1)
     batches = [(tokens[:, :-1], tokens[:, 1:])]  # tokens, labels: (b, s) each
-    backend = LocalBackend(model, build_optimizer(model, args), single, clip_grad=1.0)
+    backend = LocalBackend(model, build_optimizer(model, optim), single, clip_grad=1.0)
     train_step(
         backend, batches, state=single, autocast=functools.partial(precision.autocast, torch.device("cpu"))
     )
@@ -334,58 +356,6 @@ def _build_datasets(args: PretrainArgs, tokenizer, rank0: bool) -> list[GPTDatas
 
 def _reader(args: PretrainArgs) -> str:
     return ".bin memory-mapped" if args.mmap_bin_files else ".bin read per sample, --no-mmap-bin-files"
-
-
-def moe_config(args: PretrainArgs) -> MoEConfig | None:
-    """``--num-experts`` and the ``--moe-*`` flags; None for dense MLPs."""
-    if args.num_experts is None:
-        return None
-    [balancing], [coeff] = as_list(args.moe_router_load_balancing_type), as_list(args.moe_aux_loss_coeff)
-    return MoEConfig(
-        num_experts=args.num_experts,
-        topk=args.moe_router_topk,
-        aux_loss_coeff=coeff,
-        capacity_factor=args.moe_expert_capacity_factor,
-        token_dispatcher=args.moe_token_dispatcher_type,
-        load_balancing_type=balancing,
-        grouped_gemm=args.moe_grouped_gemm,
-        gated_linear_unit=args.swiglu,
-        add_bias_linear=args.add_bias_linear,
-    )
-
-
-def model_config(args: PretrainArgs, vocab: int, sequence_parallel: bool = False) -> GPTConfig:
-    """The ``GPTConfig`` the arguments build, for V = ``vocab`` padded rows (``build_model``'s; the
-    converter and ``generate.py`` build the whole model of a checkpoint from its saved arguments)."""
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab,
-        max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=query_groups(args),
-        kv_channels=args.kv_channels,
-        normalization=args.normalization,
-        layernorm_epsilon=args.layernorm_epsilon,
-        layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma,
-        add_bias_linear=args.add_bias_linear,
-        swiglu=args.swiglu,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        recompute_granularity=granularity_of(args.recompute_activations, args.recompute_granularity),
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-        moe=moe_config(args),
-        sequence_parallel=sequence_parallel,
-    )
 
 
 def build_model(args: PretrainArgs, state: ParallelState, vocab: int, device: torch.device) -> GPTModel:
@@ -427,7 +397,7 @@ def build_forward_backward(
 
 def load(run: Run) -> None:
     """Resume from ``--load`` (model, optimizer, scaler, RNG, iteration, consumed samples)."""
-    loaded = checkpointer.load(run.args, run.state, run.model, run.optimizer)  # --ckpt-format's
+    loaded = run.checkpointer.load(run.model, run.optimizer)  # --ckpt-format's
     if loaded is None:
         print_on(run.rank0, checkpointing.resume_line(run.args.load, None, run.ctx))
         return

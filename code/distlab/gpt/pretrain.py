@@ -89,8 +89,8 @@ def pretrain(argv: list[str] | None = None) -> dict:
             report_hang(run, hosts, exc)
         raise
     finally:
-        housekeeping.stop_manual_gc(args)
-        if run is not None:
+        if run is not None:  # else training never started: the collector was never stopped
+            housekeeping.stop_manual_gc(run.housekeeping)
             run.backend.close()
         run = None  # unreachable now: shutdown() frees the run, then its groups' threads stop
         shutdown()
@@ -104,7 +104,7 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     args = run.args
     timer = log.Timer(run.ctx.device)  # the one clock: iteration times and --exit-duration-in-mins
     first_iteration = run.iteration + 1  # of this run (after --load)
-    profiler = log.StepProfiler(args, run.state.rank, first_iteration)
+    profiler = log.StepProfiler(run.profiler, run.state.rank, first_iteration)
     print_on(run.rank0, "> training ...")
     run.model.train()
     iteration_ms = []  # this run's, for --torch-compile's line
@@ -118,7 +118,7 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     prefetcher = Prefetcher(
         lambda first, m: run.batches(run.datasets[0], first, m, device=host), run.ctx.device
     )
-    housekeeping.start_manual_gc(args)
+    housekeeping.start_manual_gc(run.housekeeping)
     try:
         while run.iteration < args.train_iters:
             lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
@@ -130,7 +130,7 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
             # the previous iteration's logging, evaluation, save; data
             before_ms = 1000 * timer.lap(sync=False)
             result = run.step(batches)
-            housekeeping.empty_unused_memory(args, run.ctx.device)
+            housekeeping.empty_unused_memory(run.housekeeping, run.ctx.device)
             # the device is waited for on log iterations only (the line's interval time is then whole)
             step_ms = 1000 * timer.lap(sync=run.tlog.due(run.iteration + 1))
             run.iteration += 1
@@ -138,7 +138,7 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
             if run.iteration == first_iteration:
                 report_memory(run)
             profiler.step()
-            housekeeping.collect_after_step(args, run.iteration)
+            housekeeping.collect_after_step(run.housekeeping, run.iteration)
             log_iteration(run, result, lr, before_ms + step_ms, step_ms, batch)
             if straggler is not None:
                 report_straggler(run, straggler, result, batch)
@@ -253,7 +253,7 @@ def maybe_evaluate(run: Run) -> None:
 
 def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboard: bool = True) -> float:
     """Mean loss over --eval-iters global batches from sample ``first``; Megatron's box."""
-    housekeeping.collect_around_validation(run.args)
+    housekeeping.collect_around_validation(run.housekeeping)
     loss = evaluate(
         run.model,
         dataset,
@@ -267,7 +267,7 @@ def validate(run: Run, label: str, dataset: GPTDataset, first: int, to_tensorboa
         autocast=run.autocast,
         forward_backward_fn=run.forward_backward,
     )
-    housekeeping.collect_around_validation(run.args)
+    housekeeping.collect_around_validation(run.housekeeping)
     print_on(run.last_rank, *log.validation_lines(label, loss))
     if to_tensorboard:
         run.tensorboard.validation(run.iteration, run.consumed, loss)

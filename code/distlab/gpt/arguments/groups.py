@@ -18,7 +18,6 @@ from distlab.gpt.arguments.data_groups import DataArgs, TokenizerArgs
 from distlab.gpt.arguments.fields import _f
 from distlab.gpt.arguments.refused import RefusedArgs
 from distlab.gpt.arguments.training_groups import (
-    SIGNALS,  # noqa: F401 - --exit-signal's choices, where training/fault_handling.py reads them
     CheckpointingArgs,
     LearningRateArgs,
     LoggingArgs,

@@ -7,10 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlab.gpt.arguments.fields import _f
-
-#: The signals ``--exit-signal`` accepts (Megatron-LM's SIGNAL_MAP; ``training/fault_handling.py``
-#: catches them).
-SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+from distlab.gpt.training.fault_handling import SIGNALS
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The run's checkpoints in ``--ckpt-format``'s format: saves (``--async-save`` included), their
-save line, and ``--load``.
+"""The run's checkpoints in ``--ckpt-format``'s format (a :class:`CheckpointConfig`): saves
+(``--async-save`` included), their save line, and ``--load``.
 
     torch        checkpointing.py        Megatron's legacy layout: one file per (tp, pp) rank
     torch_dist   dist_checkpointing.py   DCP: every rank writes its part; N ranks load into M
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import checkpointing
+from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.parallel_state import ParallelState
 from distlab.logs.formats import SAVED
@@ -33,15 +33,6 @@ def _dcp():
     from distlab.gpt.checkpointing import dist_checkpointing
 
     return dist_checkpointing
-
-
-def load(
-    args: PretrainArgs, state: ParallelState, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[int, int, dict | None] | None:
-    """``--load`` in ``--ckpt-format``'s format (``dist_checkpointing.load_checkpoint`` for torch_dist)."""
-    if args.ckpt_format == "torch_dist":
-        return _dcp().load_checkpoint(args, state, model, optimizer)
-    return checkpointing.load_checkpoint(args, state, model, optimizer)
 
 
 @dataclasses.dataclass
@@ -55,30 +46,36 @@ class _InFlight:
 
 
 class Checkpointer:
-    """The run's saves under ``--save`` in ``--ckpt-format``'s format, and their save lines.
+    """The run's saves under ``config.save`` in ``config.ckpt_format``, their save lines, and the load.
 
     ``save`` writes (torch, torch_dist) or starts the write (``--async-save``: at most one in
     flight, the next ``save`` waits for it); ``poll`` reports an asynchronous save that has
     completed; ``wait`` blocks until it has (the end of training). Each returns the save lines
-    to print (rank 0 prints them), none while a write is in flight."""
+    to print (rank 0 prints them), none while a write is in flight. ``load`` reads ``config.load``."""
 
-    def __init__(self, args: PretrainArgs, state: ParallelState, device: torch.device) -> None:
-        self.args, self.state, self.device = args, state, device
+    def __init__(self, config: CheckpointConfig, state: ParallelState, device: torch.device) -> None:
+        self.config, self.state, self.device = config, state, device
         self.group: dist.ProcessGroup | None = None  # the async writes' gloo group, made at the first
         self.in_flight: _InFlight | None = None
+
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, dict | None] | None:
+        """``--load`` in ``--ckpt-format``'s format (``dist_checkpointing.load_checkpoint`` for torch_dist)."""
+        torch_dist = self.config.ckpt_format == "torch_dist"
+        load = _dcp().load_checkpoint if torch_dist else checkpointing.load_checkpoint
+        return load(self.config, self.state, model, optimizer)
 
     def save(self, saved: Snapshot) -> list[str]:
         started, iteration = self._clock(), saved.iteration
         lines = self.wait()  # the previous write: the folder is free, its line printed
-        state = (self.args, self.state, saved)
-        if not self.args.async_save:
-            torch_dist = self.args.ckpt_format == "torch_dist"
+        state = (self.config, self.state, saved)
+        if not self.config.async_save:
+            torch_dist = self.config.ckpt_format == "torch_dist"
             save = _dcp().save_checkpoint if torch_dist else checkpointing.save_checkpoint
             save(*state)
             elapsed = self._clock() - started
             return [*lines, self._line(iteration, elapsed, elapsed)]
         if self.group is None:  # collective: every rank saves at the same iteration
-            timeout = datetime.timedelta(minutes=self.args.distributed_timeout_minutes)
+            timeout = datetime.timedelta(minutes=self.config.distributed_timeout_minutes)
             self.group = dist.new_group(backend="gloo", timeout=timeout)
         committed = _dcp().async_save_checkpoint(*state, group=self.group)
         self.in_flight = _InFlight(committed, iteration, started, self._clock() - started)
@@ -104,5 +101,5 @@ class Checkpointer:
         return time.perf_counter()
 
     def _line(self, iteration: int, blocking_s: float, total_s: float, mode: str | None = None) -> str:
-        return SAVED.format(iteration=iteration, folder=self.args.save, format=self.args.ckpt_format,
+        return SAVED.format(iteration=iteration, folder=self.config.save, format=self.config.ckpt_format,
                             mode=mode, blocking_ms=1000 * blocking_s, total_ms=1000 * total_s)  # fmt: skip

@@ -43,7 +43,6 @@ same atomic :func:`commit`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import shutil
@@ -55,8 +54,8 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.distributed import DistContext
-from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import durable
+from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker
@@ -134,10 +133,10 @@ class Snapshot(NamedTuple):
     consumed_samples: int
 
 
-def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> str:
-    """Write ``iter_<iteration>`` under ``args.save`` atomically; return its folder."""
+def save_checkpoint(config: CheckpointConfig, state: ParallelState, saved: Snapshot) -> str:
+    """Write ``iter_<iteration>`` under ``config.save`` atomically; return its folder."""
     model, optimizer, scaler_state, iteration, consumed_samples = saved
-    final = checkpoint_dir(args.save, iteration)
+    final = checkpoint_dir(config.save, iteration)
     tmp = final + ".tmp"
     if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
@@ -153,12 +152,12 @@ def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -
             "optimizer": optim,
             "scaler": scaler_state,
             "rng": rng_state(),
-            "args": dataclasses.asdict(args),
+            "args": config.arguments,
         }
         durable.write_file(path, lambda f: torch.save(ckpt, f))  # on disk before the barrier
     dist.barrier()
     if state.rank == 0:
-        commit(args.save, iteration)
+        commit(config.save, iteration)
     dist.barrier()
     return final
 
@@ -219,19 +218,19 @@ def read_tracker(root: str) -> int | None:
 
 
 def load_checkpoint(
-    args: PretrainArgs,
+    config: CheckpointConfig,
     state: ParallelState,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
 ) -> tuple[int, int, dict | None] | None:
-    """Restore from ``args.load``; return ``(iteration, consumed_samples, scaler_state)``, or None
+    """Restore from ``config.load``; return ``(iteration, consumed_samples, scaler_state)``, or None
     when the folder holds no checkpoint yet (a fresh start, as Megatron does). A release checkpoint
     restores the model only: ``(0, 0, None)``, the optimizer and the RNG left as the run made them."""
-    release = is_release(args.load)
-    iteration = 0 if release else read_tracker(args.load)
+    release = is_release(config.load)
+    iteration = 0 if release else read_tracker(config.load)
     if iteration is None:
         return None
-    folder = os.path.join(args.load, RELEASE) if release else committed_dir(args.load, iteration)
+    folder = os.path.join(config.load, RELEASE) if release else committed_dir(config.load, iteration)
     path = rank_file(folder, state)
     if os.path.exists(os.path.join(folder, ".metadata")):  # DCP's
         raise FileNotFoundError(
@@ -244,31 +243,31 @@ def load_checkpoint(
             f"layout than tp={state.tp} pp={state.pp}"
         )
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    check_args(ckpt["args"], args, path)
+    check_args(ckpt["args"], config.arguments, path)
     model.load_state_dict(ckpt["model"])
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.main_from_params()
     if release:
         return 0, 0, None
-    if not args.no_load_optim:  # Megatron's --no-load-optim: fresh Adam moments and loss scale
+    if not config.no_load_optim:  # Megatron's --no-load-optim: fresh Adam moments and loss scale
         if "distributed_optimizer" in ckpt["optimizer"] and not isinstance(optimizer, DistributedOptimizer):
             raise ValueError(
                 f"{path} holds a distributed optimizer's state (--use-distributed-optimizer): load "
                 f"it with --use-distributed-optimizer, or with --no-load-optim"
             )
         optimizer.load_state_dict(ckpt["optimizer"])
-    if not args.no_load_rng:
+    if not config.no_load_rng:
         set_rng_state(ckpt["rng"])
-    return ckpt["iteration"], ckpt["consumed_samples"], None if args.no_load_optim else ckpt["scaler"]
+    return ckpt["iteration"], ckpt["consumed_samples"], None if config.no_load_optim else ckpt["scaler"]
 
 
-def check_args(saved: dict, args: PretrainArgs, path: str, *, may_differ: tuple[str, ...] = ()) -> None:
+def check_args(saved: dict, now: dict, path: str, *, may_differ: tuple[str, ...] = ()) -> None:
     """Raise naming every argument of :data:`MUST_MATCH` (but ``may_differ``) on which the
-    checkpoint and the run differ."""
+    checkpoint's arguments (``saved``) and the run's (``now``) differ."""
     diffs = [
-        f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {getattr(args, k)} (now)"
+        f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {now.get(k)} (now)"
         for k in MUST_MATCH
-        if k not in may_differ and saved.get(k) != getattr(args, k)
+        if k not in may_differ and saved.get(k) != now.get(k)
     ]
     if diffs:
         raise ValueError(f"checkpoint {path} does not fit this run: " + "; ".join(diffs))

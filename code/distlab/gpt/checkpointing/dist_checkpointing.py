@@ -50,7 +50,6 @@ module only for ``torch_dist``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import time
@@ -68,8 +67,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.checkpointing import checkpointing, durable, tp_chunks
+from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer, check_layout
 from distlab.gpt.parallel_state import ParallelState
@@ -156,7 +155,7 @@ def _load_distributed_optimizer(optimizer: DistributedOptimizer, loaded: dict) -
         optimizer.load_bucket_tensors(i, shards, loaded["step"])
 
 
-def _check_vocabulary(model: dict, saved: dict, folder: str, then: dict, args: PretrainArgs) -> None:
+def _check_vocabulary(model: dict, saved: dict, folder: str, then: dict, now: dict) -> None:
     """The padded vocabulary V (a multiple of ``--make-vocab-size-divisible-by`` x tp) saved must be
     this run's before ``dcp.load`` reads any: the padded rows enter the softmax, so a tp that pads
     otherwise trains another model (DCP would only say that the sizes differ)."""
@@ -169,7 +168,7 @@ def _check_vocabulary(model: dict, saved: dict, folder: str, then: dict, args: P
             continue
         divisible, tp = (
             then["make_vocab_size_divisible_by"] * then["tensor_model_parallel_size"],
-            args.tensor_model_parallel_size,
+            now["tensor_model_parallel_size"],
         )
         fix = (
             f"give --make-vocab-size-divisible-by {divisible // tp}"
@@ -179,12 +178,12 @@ def _check_vocabulary(model: dict, saved: dict, folder: str, then: dict, args: P
         raise ValueError(
             f"{folder} holds a padded vocabulary of {rows} rows ({name}: --make-vocab-size-divisible-by "
             f"{then['make_vocab_size_divisible_by']} x tp {then['tensor_model_parallel_size']}) and this run "
-            f"pads to {want} (--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} x tp {tp}): "
+            f"pads to {want} (--make-vocab-size-divisible-by {now['make_vocab_size_divisible_by']} x tp {tp}): "
             f"the padded rows enter the softmax; {fix}"
         )
 
 
-def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple[str, dict]:
+def _prepare(config: CheckpointConfig, state: ParallelState, saved: Snapshot) -> tuple[str, dict]:
     """Write ``common.pt`` into a fresh ``iter_<iteration>.tmp`` (rank 0); return the folder and
     this rank's state dict for DCP (collective: every rank's RNG reaches rank 0).
 
@@ -192,7 +191,7 @@ def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple
     has joined it: DCP's local plan creates the folder on every rank, so a rank already in
     ``dcp.save`` must not meet rank 0's ``rmtree``/``makedirs`` (FileExistsError, or its files gone)."""
     model, optimizer, scaler_state, iteration, consumed_samples = saved
-    tmp = checkpointing.checkpoint_dir(args.save, iteration) + ".tmp"
+    tmp = checkpointing.checkpoint_dir(config.save, iteration) + ".tmp"
     if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed save
         os.makedirs(tmp)
@@ -200,28 +199,28 @@ def _prepare(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> tuple
     dist.all_gather_object(rngs, (_coords(state), checkpointing.rng_state()))
     if state.rank == 0:
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "scaler": scaler_state,
-                  "rng": dict(rngs), "args": dataclasses.asdict(args)}  # fmt: skip
+                  "rng": dict(rngs), "args": config.arguments}  # fmt: skip
         durable.write_file(os.path.join(tmp, COMMON), lambda f: torch.save(common, f))
     with_optimizer = isinstance(optimizer, DistributedOptimizer) or bool(optimizer.state)
     return tmp, _state_dict(model, optimizer, state, with_optimizer=with_optimizer)
 
 
-def save_checkpoint(args: PretrainArgs, state: ParallelState, saved: Snapshot) -> str:
+def save_checkpoint(config: CheckpointConfig, state: ParallelState, saved: Snapshot) -> str:
     """``dcp.save`` into ``iter_<iteration>.tmp``, then commit (rank 0); return the folder."""
-    tmp, state_dict = _prepare(args, state, saved)
+    tmp, state_dict = _prepare(config, state, saved)
     dcp.save(state_dict, checkpoint_id=tmp)  # returns on every rank once .metadata is written
     if state.rank == 0:
-        checkpointing.commit(args.save, saved.iteration)
+        checkpointing.commit(config.save, saved.iteration)
     dist.barrier()
     return tmp.removesuffix(".tmp")
 
 
 def async_save_checkpoint(
-    args: PretrainArgs, state: ParallelState, saved: Snapshot, *, group: dist.ProcessGroup
+    config: CheckpointConfig, state: ParallelState, saved: Snapshot, *, group: dist.ProcessGroup
 ) -> Future:
     """``dcp.async_save``: stage to CPU memory, return; a thread writes (collectives on the gloo
     ``group``), then rank 0 commits. The future holds the ``time.perf_counter()`` of the commit."""
-    tmp, state_dict = _prepare(args, state, saved)
+    tmp, state_dict = _prepare(config, state, saved)
     written = dcp.async_save(state_dict, checkpoint_id=tmp, process_group=group)  # staged when it returns
     committed: Future = Future()
 
@@ -229,7 +228,7 @@ def async_save_checkpoint(
         try:
             future.result()  # every rank's data and .metadata are written
             if state.rank == 0:
-                checkpointing.commit(args.save, saved.iteration)
+                checkpointing.commit(config.save, saved.iteration)
             committed.set_result(time.perf_counter())
         except BaseException as exc:  # raised where the run waits for the save
             committed.set_exception(exc)
@@ -239,22 +238,22 @@ def async_save_checkpoint(
 
 
 def load_checkpoint(
-    args: PretrainArgs,
+    config: CheckpointConfig,
     state: ParallelState,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
 ) -> tuple[int, int, dict | None] | None:
-    """Restore from ``args.load`` in the run's own sharding; return ``(iteration,
+    """Restore from ``config.load`` in the run's own sharding; return ``(iteration,
     consumed_samples, scaler_state)``, or None when the folder holds no checkpoint yet."""
-    if checkpointing.is_release(args.load):
+    if checkpointing.is_release(config.load):
         raise FileNotFoundError(
-            f"{args.load} holds a release checkpoint (model only, one file per tp x pp rank, as "
+            f"{config.load} holds a release checkpoint (model only, one file per tp x pp rank, as "
             f"convert_checkpoint.py writes): load it with --ckpt-format torch"
         )
-    iteration = checkpointing.read_tracker(args.load)
+    iteration = checkpointing.read_tracker(config.load)
     if iteration is None:
         return None
-    folder = checkpointing.committed_dir(args.load, iteration)
+    folder = checkpointing.committed_dir(config.load, iteration)
     if not os.path.exists(os.path.join(folder, ".metadata")):
         legacy = os.path.isdir(folder) and any(name.startswith("mp_rank_") for name in os.listdir(folder))
         raise FileNotFoundError(
@@ -268,9 +267,11 @@ def load_checkpoint(
     common = torch.load(os.path.join(folder, COMMON), map_location="cpu", weights_only=False)
     # tp may change: a torch_dist checkpoint holds whole tensors, DTensor shards and the hand-written
     # tp's shards placed in them (tp_chunks), which DCP cuts for the loading layout
-    checkpointing.check_args(common["args"], args, folder, may_differ=("tensor_model_parallel_size",))
+    checkpointing.check_args(
+        common["args"], config.arguments, folder, may_differ=("tensor_model_parallel_size",)
+    )
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata  # every key saved
-    with_optimizer = any(key.startswith("optimizer.") for key in saved) and not args.no_load_optim
+    with_optimizer = any(key.startswith("optimizer.") for key in saved) and not config.no_load_optim
     distrib = any(key.startswith("optimizer.distrib.") for key in saved)
     if with_optimizer and distrib != isinstance(optimizer, DistributedOptimizer):
         raise ValueError(
@@ -283,7 +284,7 @@ def load_checkpoint(
     state_dict = _state_dict(
         model, optimizer, state, with_optimizer=with_optimizer
     )  # this run's, to be filled
-    _check_vocabulary(state_dict["model"], saved, folder, common["args"], args)
+    _check_vocabulary(state_dict["model"], saved, folder, common["args"], config.arguments)
     dcp.load(state_dict, checkpoint_id=folder)
     set_model_state_dict(model, state_dict["model"], options=OPTIONS)
     if isinstance(optimizer, DistributedOptimizer):
@@ -301,6 +302,6 @@ def load_checkpoint(
     # new dp ranks: dp 0's; new tp ranks too: tp 0's default stream, but their own model-parallel
     # stream (tp 0's would repeat its attention-dropout masks)
     own = rngs.get(_coords(state)) or rngs.get((tp_rank, pp_rank, 0))
-    if not args.no_load_rng:
+    if not config.no_load_rng:
         checkpointing.set_rng_state(own or rngs[(0, pp_rank, 0)], tracker=own is not None)
-    return common["iteration"], common["consumed_samples"], None if args.no_load_optim else common["scaler"]
+    return common["iteration"], common["consumed_samples"], None if config.no_load_optim else common["scaler"]

@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from distlab.gpt.distributed.grad_buckets import default_bucket_size
 from distlab.gpt.distributed.gradients import Gradients, clip_gradients, counted_in_norm, square_sum
 from distlab.gpt.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from distlab.gpt.optimizer.loss_scaler import unscale_and_check
 from distlab.gpt.optimizer.optimizer import group_key, make_optimizer
+from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 
 
@@ -239,25 +240,29 @@ class DistributedOptimizer:
 
 
 def build_distributed_optimizer(
-    model: nn.Module, state: ParallelState, args: PretrainArgs, dtype: torch.dtype
+    model: nn.Module,
+    state: ParallelState,
+    config: OptimizerConfig,
+    ddp_config: DistributedDataParallelConfig,
+    dtype: torch.dtype,
 ) -> DistributedOptimizer:
-    """The buffers (parameters cast to ``dtype``) and the optimizer on their shards, with
-    ``--ddp-bucket-size``, ``--overlap-grad-reduce`` and ``--overlap-param-gather``."""
-    keys = {p: group_key(name, p, args) for name, p in model.named_parameters()}
-    size = args.ddp_bucket_size or default_bucket_size(state.dp * state.cp)
+    """The buffers (parameters cast to ``dtype``) and ``config``'s optimizer on their shards, with
+    ``ddp_config``'s bucket size, overlaps and gradient dtype."""
+    keys = {p: group_key(name, p, config) for name, p in model.named_parameters()}
+    size = ddp_config.bucket_size or default_bucket_size(state.dp * state.cp)
     buffer = ParamAndGradBuffer(
         list(model.parameters()),
         state,
         bucket_size=size,
         dtype=dtype,
-        grad_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
+        grad_dtype=torch.bfloat16 if ddp_config.grad_reduce_in_bf16 else torch.float32,
+        overlap_grad_reduce=ddp_config.overlap_grad_reduce,
+        overlap_param_gather=ddp_config.overlap_param_gather,
         hold=model.tied_embedding() if state.embedding_group is not None else None,
     )
-    if args.overlap_param_gather:
+    if ddp_config.overlap_param_gather:
         buffer.register_forward_pre_hooks(model)
-    return DistributedOptimizer(buffer, state, lambda g: make_optimizer(g, args), keys.__getitem__)
+    return DistributedOptimizer(buffer, state, lambda g: make_optimizer(g, config), keys.__getitem__)
 
 
 def check_layout(saved: list[int], mine: list[int]) -> None:

@@ -1,8 +1,8 @@
 """The :class:`Architecture` record that each model family's module fills (``families.py`` lists them).
 
 A family is: the flags a run must have (or leave out) to build it (:attr:`Architecture.mismatches`),
-its transformers ``config.json`` from the run's ``GPTConfig`` (``build.model_config``) and back (as
-course argument values, refusing what the course cannot compute), and the two weight maps, each a
+its transformers ``config.json`` from the run's ``GPTConfig`` (``to_configs.model_config``) and back
+(as course argument values, refusing what the course cannot compute), and the two weight maps, each a
 function of whole (unsharded) state dicts. Sharding, files and tokenizers are the same for every
 family and live in ``course_checkpoint.py`` and ``hf_checkpoint.py``.
 """

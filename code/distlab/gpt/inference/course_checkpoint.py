@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.build import model_config
+from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.checkpointing import checkpointing, durable
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import families

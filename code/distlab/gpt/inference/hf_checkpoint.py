@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from tokenizers import ByteLevelBPETokenizer
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.build import model_config
+from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.checkpointing.checkpointing import TRACKER
 from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
 from distlab.gpt.data.tokenizers import TokenizerSpec

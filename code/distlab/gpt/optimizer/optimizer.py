@@ -1,7 +1,8 @@
 """Optimizer and Megatron's learning-rate schedule (gradient clipping is in ``distributed/gradients.py``).
 
 The schedule counts samples, as Megatron's ``OptimizerParamScheduler`` does. After ``s`` samples
-(``s = i x B`` at iteration ``i``, 1-based, global batch ``B``), warm-up ``W`` and decay ``D`` samples::
+(``s = i x B`` at iteration ``i``, 1-based, global batch ``B``), warm-up ``W`` and decay ``D`` samples
+(:class:`LRSchedule`'s ``lr_warmup_steps`` and ``lr_decay_steps``, Megatron's names)::
 
     s <= W          lr = lr_max * s / W
     W < s <= D      lr = lr_min + c(r) (lr_max - lr_min),  r = (s - W) / (D - W)
@@ -11,8 +12,8 @@ The schedule counts samples, as Megatron's ``OptimizerParamScheduler`` does. Aft
 Iteration-based (``--train-iters``): ``D = --lr-decay-iters x B``, ``W = --lr-warmup-iters x B`` or
 ``int(--lr-warmup-fraction x --lr-decay-iters) x B``; sample-based (``--train-samples``):
 ``D = --lr-decay-samples`` (default ``--train-samples``), ``W = --lr-warmup-samples`` or
-``--lr-warmup-fraction x D``. The same ``s`` gives the same rate either way when the samples are
-the iterations times ``B``.
+``--lr-warmup-fraction x D`` (``arguments/to_configs.py`` counts them). The same ``s`` gives the
+same rate either way when the samples are the iterations times ``B``.
 
 ``--decoupled-lr`` / ``--decoupled-min-lr``: the input embedding and the output layer (Megatron's
 ``is_embedding_or_output_parameter``: the word embedding and the output weight, not the position
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 
 #: The word embedding E and the output layer's weight (E's copy on the last stage): the
 #: parameters Megatron tags ``is_embedding_or_output_parameter``.
@@ -46,14 +48,14 @@ def is_embedding_or_output(name: str, p: nn.Parameter) -> bool:
     return getattr(p, "is_embedding_or_output_parameter", False) or name in EMBEDDING_OR_OUTPUT
 
 
-def group_key(name: str, p: nn.Parameter, args: PretrainArgs) -> tuple[bool, bool]:
-    """``p``'s parameter group: (no weight decay: biases and norms, ``--decoupled-lr``'s: E and
+def group_key(name: str, p: nn.Parameter, config: OptimizerConfig) -> tuple[bool, bool]:
+    """``p``'s parameter group: (no weight decay: biases and norms, ``decoupled_lr``'s: E and
     the output layer)."""
     no_decay = name.endswith(".bias") or ".ln" in name or name.startswith("ln")
-    return no_decay, args.decoupled_lr is not None and is_embedding_or_output(name, p)
+    return no_decay, config.decoupled_lr is not None and is_embedding_or_output(name, p)
 
 
-def make_optimizer(groups: dict[tuple[bool, bool], list], args: PretrainArgs) -> torch.optim.Optimizer:
+def make_optimizer(groups: dict[tuple[bool, bool], list], config: OptimizerConfig) -> torch.optim.Optimizer:
     """AdamW (Megatron's ``adam`` decouples weight decay) or SGD over ``groups`` keyed by
     :func:`group_key`; each group carries its schedule's ``max_lr`` / ``min_lr``.
 
@@ -68,33 +70,34 @@ def make_optimizer(groups: dict[tuple[bool, bool], list], args: PretrainArgs) ->
     param_groups = [
         {
             "params": params,
-            "weight_decay": 0.0 if no_decay else args.weight_decay,
-            "max_lr": args.decoupled_lr if decoupled else args.lr,
-            "min_lr": _decoupled_min_lr(args) if decoupled else args.min_lr,
+            "weight_decay": 0.0 if no_decay else config.weight_decay,
+            "max_lr": config.decoupled_lr if decoupled else config.lr,
+            "min_lr": _decoupled_min_lr(config) if decoupled else config.min_lr,
         }
         for (no_decay, decoupled), params in sorted(groups.items())
     ]
     kinds = {is_dtensor(p) for g in param_groups for p in g["params"]}
     fused = None if len(kinds) > 1 else True
-    if args.optimizer in ("adam", "adamw"):
+    c = config
+    if c.optimizer in ("adam", "adamw"):
         return torch.optim.AdamW(
-            param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=fused
+            param_groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, fused=fused
         )
-    return torch.optim.SGD(param_groups, lr=args.lr, momentum=args.sgd_momentum, fused=fused)
+    return torch.optim.SGD(param_groups, lr=c.lr, momentum=c.sgd_momentum, fused=fused)
 
 
-def _decoupled_min_lr(args: PretrainArgs) -> float:
-    """Megatron keeps the common ``--min-lr`` when ``--decoupled-min-lr`` is not given."""
-    return args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+def _decoupled_min_lr(config: OptimizerConfig) -> float:
+    """Megatron keeps the common ``min_lr`` when ``decoupled_min_lr`` is not given."""
+    return config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
 
 
-def build_optimizer(model: nn.Module, args: PretrainArgs) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     """:func:`make_optimizer` over the model's trainable parameters."""
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            groups.setdefault(group_key(name, p, args), []).append(p)
-    return make_optimizer(groups, args)
+            groups.setdefault(group_key(name, p, config), []).append(p)
+    return make_optimizer(groups, config)
 
 
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -123,47 +126,46 @@ def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> No
         del inner.found_inf
 
 
+@dataclass(frozen=True)
 class LRSchedule:
-    """Megatron's warm-up + decay schedule as a pure function of the samples consumed."""
+    """Megatron's warm-up + decay schedule as a pure function of the samples consumed; the fields
+    are the arguments of megatron-core's ``OptimizerParamScheduler`` (its steps are samples)."""
 
-    def __init__(self, args: PretrainArgs) -> None:
-        self.max_lr, self.min_lr, self.style = args.lr, args.min_lr, args.lr_decay_style
-        self.batch = args.global_batch_size or 1  # set by validate_args; 1 for bare arguments
-        if args.train_samples is not None:
-            self.decay_samples = args.lr_decay_samples or args.train_samples
-            if args.lr_warmup_fraction is not None:
-                self.warmup_samples = args.lr_warmup_fraction * self.decay_samples
-            else:
-                self.warmup_samples = args.lr_warmup_samples
-        else:
-            decay_iters = args.lr_decay_iters or args.train_iters
-            if args.lr_warmup_fraction is not None:
-                warmup_iters = int(args.lr_warmup_fraction * decay_iters)
-            else:
-                warmup_iters = args.lr_warmup_iters
-            self.decay_samples, self.warmup_samples = decay_iters * self.batch, warmup_iters * self.batch
+    max_lr: float
+    """The run's peak rate (a parameter group's own ``max_lr`` overrides it)."""
+    min_lr: float
+    """The run's rate after the decay (a group's own ``min_lr`` overrides it)."""
+    lr_warmup_steps: float
+    """W, samples of linear warm-up from 0."""
+    lr_decay_steps: float
+    """D, samples at which the decay ends (warm-up included)."""
+    lr_decay_style: str = "linear"
+    """constant, linear or cosine."""
+    global_batch_size: int = 1
+    """B, the samples of one iteration: iteration ``i`` is ``i x B`` samples."""
 
     def at_samples(self, samples: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
         """The rate after ``samples`` samples, for a group's ``max_lr`` / ``min_lr`` (default the run's)."""
         max_lr = self.max_lr if max_lr is None else max_lr
         min_lr = self.min_lr if min_lr is None else min_lr
-        if self.warmup_samples > 0 and samples <= self.warmup_samples:
-            return max_lr * samples / self.warmup_samples
-        if self.style == "constant":
+        warmup, decay = self.lr_warmup_steps, self.lr_decay_steps
+        if warmup > 0 and samples <= warmup:
+            return max_lr * samples / warmup
+        if self.lr_decay_style == "constant":
             return max_lr
-        if samples > self.decay_samples:
+        if samples > decay:
             return min_lr
-        ratio = (samples - self.warmup_samples) / max(1, self.decay_samples - self.warmup_samples)
-        coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        ratio = (samples - warmup) / max(1, decay - warmup)
+        coeff = 1.0 - ratio if self.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
 
     def __call__(self, iteration: int) -> float:
         """The run's rate at ``iteration`` (1-based): after ``iteration x B`` samples."""
-        return self.at_samples(iteration * self.batch)
+        return self.at_samples(iteration * self.global_batch_size)
 
     def apply(self, optimizer: torch.optim.Optimizer, iteration: int) -> float:
         """Set every group's rate for ``iteration``; return the run's (the log line's)."""
-        samples = iteration * self.batch
+        samples = iteration * self.global_batch_size
         for group in optimizer.param_groups:
             group["lr"] = self.at_samples(samples, group.get("max_lr"), group.get("min_lr"))
         return self.at_samples(samples)

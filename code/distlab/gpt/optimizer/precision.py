@@ -1,4 +1,4 @@
-"""The run's precision, decided once from the arguments: compute dtype, autocast, loss scaling.
+"""The run's precision, decided once (``arguments/to_configs.py``): compute dtype, autocast, loss scaling.
 
     --fp16    fp16 autocast over fp32 weights, dynamic loss scaling (``loss_scaler.py``)
     --bf16    bf16 autocast over fp32 weights, no scaling (bf16 has fp32's exponent range)
@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
-
-if TYPE_CHECKING:
-    from distlab.gpt.arguments import PretrainArgs
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -37,13 +33,6 @@ class Precision:
     def __post_init__(self) -> None:
         if self.name not in _DTYPES:
             raise ValueError(f"precision {self.name!r} must be one of {', '.join(_DTYPES)}")
-
-    @classmethod
-    def from_args(cls, args: PretrainArgs) -> Precision:
-        name = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
-        return cls(
-            name, args.initial_loss_scale, args.min_loss_scale, args.loss_scale_window, args.hysteresis
-        )
 
     @property
     def dtype(self) -> torch.dtype:

@@ -44,13 +44,12 @@ import torch
 import torch.distributed as dist
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.arguments.from_args import build_distributed_optimizer, build_optimizer
 from distlab.gpt.build import build_forward_backward, build_model
 from distlab.gpt.data.tokenizers import TokenizerSpec
-from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer
 from distlab.gpt.interfaces import MicroBatch
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemoryEstimate, MemorySetup, activation_bytes, backward_moments
-from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.planning.collectives import Collective, record_collectives, summarize
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size

@@ -52,10 +52,10 @@ norms' gradients all-reduced over tp.
 from __future__ import annotations
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.arguments.from_args import recomputed_layers
 from distlab.gpt.context_parallel.ring_attention import chunk_ids
 from distlab.gpt.layout import Layout
 from distlab.gpt.planning.hardware import Link
-from distlab.gpt.training.flops import recomputed_layers
 
 #: Passes over the (R, H) routed rows of one MoE layer's dispatch and combine, forward 12 + backward 14.
 PERMUTE = 26

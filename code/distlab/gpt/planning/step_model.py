@@ -60,11 +60,11 @@ from dataclasses import dataclass, field
 
 from distlab.comm.bench import BUS_FACTOR
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.arguments.from_args import model_flops_per_iteration, output_layer_flops, recomputed_layers
 from distlab.gpt.distributed.grad_buckets import default_bucket_size
 from distlab.gpt.layout import Layout
 from distlab.gpt.planning import engine_work as work
 from distlab.gpt.planning.hardware import Hardware, Link
-from distlab.gpt.training.flops import model_flops_per_iteration, output_layer_flops, recomputed_layers
 
 #: Bus factor of each operation over n ranks (send and recv move their bytes once).
 FACTOR = {**BUS_FACTOR, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}

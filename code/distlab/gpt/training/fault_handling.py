@@ -41,7 +41,8 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from distlab.gpt.arguments.groups import SIGNALS
+#: The signals ``--exit-signal`` accepts (Megatron-LM's SIGNAL_MAP), caught by :class:`ExitSignal`.
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 #: Seconds a rank that timed out waits for the other ranks' flight-record dumps: the ranks that
 #: time out do so within about one iteration of each other; the report comes within the timeout + 30 s.

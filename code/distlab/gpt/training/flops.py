@@ -44,11 +44,11 @@ job's total over the machine's measured peak (:func:`mfu`).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.transformer.recompute import granularity_of
+from distlab.gpt.transformer.config import GPTConfig
 
 #: Dense bf16/fp16 tensor-core peaks (TFLOP/s) by a substring of the device name.
 PEAK_TFLOPS = {
@@ -67,54 +67,64 @@ CONVENTION = "causal attention counted in full: s/(6h); Megatron-LM since 2025 c
 """How the log's TFLOP/s and MFU count attention (printed once at start-up by :func:`flops_line`)."""
 
 
-def recomputed_layers(args: PretrainArgs) -> int:
+@dataclass(frozen=True)
+class FlopsConfig:
+    """What one iteration's model FLOPs depend on: the model's shape and one global batch."""
+
+    model: GPTConfig
+    """L, H, n, g, d, F, SwiGLU, the experts' top-k, V (padded) and the recomputation."""
+    seq_length: int
+    """s, tokens per sample."""
+    global_batch_size: int
+    """B, samples per iteration."""
+    model_chunks: int = 1
+    """pp x v: with block recomputation each chunk runs its first N blocks twice."""
+
+
+def recomputed_layers(config: FlopsConfig) -> int:
     """Blocks whose forward runs twice per micro-batch: all ``l`` with full uniform recomputation,
     ``N`` per model chunk (``pp x v`` chunks) with full block recomputation, else 0."""
-    if granularity_of(args.recompute_activations, args.recompute_granularity) != "full":
+    m = config.model
+    if m.recompute_granularity != "full":
         return 0
-    if args.recompute_method == "block" and args.recompute_num_layers:
-        chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
-        return min(args.num_layers, args.recompute_num_layers * chunks)
-    return args.num_layers
+    if m.recompute_method == "block" and m.recompute_num_layers:
+        return min(m.num_layers, m.recompute_num_layers * config.model_chunks)
+    return m.num_layers
 
 
-def layer_forward_flops_per_token(args: PretrainArgs) -> float:
+def layer_forward_flops_per_token(config: FlopsConfig) -> float:
     """One block's forward FLOPs per token: ``2 H (n + 2g) d`` (qkv) + ``4 s n d`` (Q K^T and the
     scores times V, in full) + ``2 n d H`` (projection) + ``2 H F`` x 2 matrices (GeLU) or x 3
     (SwiGLU's gate, up and down), as Megatron-LM's ``transformer_flops`` counts grouped-query
     attention and SwiGLU; with experts the MLP term k times (top-k routing). GPT-2 (g = n, n d = H,
-    F = 4H): ``24 H^2 + 4 s H``. ``args`` validated (``--ffn-hidden-size`` filled in; 4H otherwise)."""
-    h, s = args.hidden_size, args.seq_length
-    q_width = h if args.kv_channels is None else args.kv_channels * args.num_attention_heads  # n d
-    kv_width = q_width  # g d
-    if args.group_query_attention:
-        kv_width = args.num_query_groups * (args.kv_channels or h // args.num_attention_heads)
-    ffn, matrices = args.ffn_hidden_size or 4 * h, 3 if args.swiglu else 2
-    routed = args.moe_router_topk if args.num_experts is not None else 1  # experts each token runs
-    mlp = 2 * h * ffn * matrices * routed
+    F = 4H): ``24 H^2 + 4 s H``."""
+    m, s = config.model, config.seq_length
+    h, d = m.hidden_size, m.head_dim
+    q_width, kv_width = m.num_attention_heads * d, m.query_groups * d  # n d, g d
+    routed = m.moe.topk if m.moe is not None else 1  # experts each token runs
+    mlp = 2 * h * m.ffn * (3 if m.swiglu else 2) * routed
     return 2 * h * (q_width + 2 * kv_width) + 4 * s * q_width + 2 * q_width * h + mlp
 
 
-def output_layer_flops(args: PretrainArgs, vocab_size: int) -> float:
+def output_layer_flops(config: FlopsConfig) -> float:
     """The logit layer's forward + backward FLOPs of one global batch, ``6 B s h V`` (never
     recomputed; on the last pipeline stage)."""
-    return 6.0 * args.global_batch_size * args.seq_length * args.hidden_size * vocab_size
+    m = config.model
+    return 6.0 * config.global_batch_size * config.seq_length * m.hidden_size * m.vocab_size
 
 
-def model_flops_per_iteration(args: PretrainArgs, vocab_size: int) -> float:
+def model_flops_per_iteration(config: FlopsConfig) -> float:
     """Forward + backward FLOPs of one global batch: ``B s ((3 l + r) f + 6 h V)``, ``f`` one
     block's forward per token (:func:`layer_forward_flops_per_token`), ``r`` =
     :func:`recomputed_layers`; for GPT-2 ``24 B s h^2 (1 + s/(6h)) (3 l + r) + 6 B s h V``."""
-    B, s, layers = args.global_batch_size, args.seq_length, args.num_layers
-    r = recomputed_layers(args)
-    blocks = float(B * s) * (3 * layers + r) * layer_forward_flops_per_token(args)
-    return blocks + output_layer_flops(args, vocab_size)
+    layers, r = config.model.num_layers, recomputed_layers(config)
+    tokens = float(config.global_batch_size * config.seq_length)
+    return tokens * (3 * layers + r) * layer_forward_flops_per_token(config) + output_layer_flops(config)
 
 
-def flops_line(args: PretrainArgs, vocab_size: int) -> str:
+def flops_line(config: FlopsConfig) -> str:
     """The start-up line that says what the iteration lines' TFLOP/s and MFU count."""
-    per_iteration = model_flops_per_iteration(args, vocab_size)
-    return f"> model FLOPs per iteration: {per_iteration:.4g} ({CONVENTION})"
+    return f"> model FLOPs per iteration: {model_flops_per_iteration(config):.4g} ({CONVENTION})"
 
 
 def counted_flops(
@@ -141,10 +151,7 @@ def counted_flops(
     from torch.utils.checkpoint import set_checkpoint_early_stop
     from torch.utils.flop_counter import FlopCounterMode
 
-    from distlab.gpt.transformer.model import (  # the model imports this module's neighbours
-        GPTConfig,
-        GPTModel,
-    )
+    from distlab.gpt.transformer.model import GPTModel  # the model imports this module's neighbours
 
     cfg = GPTConfig(
         num_layers=num_layers,

@@ -2,7 +2,8 @@
 torch.profiler traces of training steps (in the layout TensorBoard's PyTorch Profiler reads).
 
 The throughput fields of the iteration line (tokens/s, TFLOP/s per device, MFU) come from
-``flops.py``.
+``flops.py``'s model FLOPs. What is logged where is a :class:`LoggingConfig`, what is traced a
+:class:`ProfilerConfig` (Megatron-LM's logging and profiling flags, mapped by ``arguments/to_configs.py``).
 
 A step leaves its loss, gradient norm and skip / nan flags on the device (``StepResult``);
 :class:`TrainingLog` keeps them there and reads the whole interval's with one copy to the host
@@ -19,10 +20,53 @@ from dataclasses import dataclass
 
 import torch
 
-from distlab.gpt.arguments import PretrainArgs, profile_ranks
 from distlab.gpt.interfaces import DeviceScalar
-from distlab.gpt.training.flops import device_peak_tflops, model_flops_per_iteration
+from distlab.gpt.training.flops import device_peak_tflops
 from distlab.logs.formats import ITERATION, VALIDATION
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """The iteration line and TensorBoard: the run's length and batch, and Megatron-LM's logging flags."""
+
+    train_iters: int
+    """Iterations of the run (the line's total; its last iteration always logs)."""
+    global_batch_size: int
+    """B, the final global batch (a ramp's steps log their own)."""
+    seq_length: int
+    """s, for tokens per second."""
+    log_interval: int = 100
+    """Iterations between log lines."""
+    log_throughput: bool = False
+    """Add Megatron's TFLOP/s per device field."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (None: none)."""
+    tensorboard_queue_size: int = 1000
+    log_timers_to_tensorboard: bool = False
+    log_batch_size_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    log_loss_scale_to_tensorboard: bool = False
+    """The loss scale (fp16's dynamic one) as a scalar."""
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """Which ranks and iterations are traced, and where (Megatron-LM's profiling flags)."""
+
+    profile_execution: bool = False
+    """torch.profiler traces of iterations ``profile_step_start + 1 .. profile_step_end``."""
+    profile: bool = False
+    """Without ``use_pytorch_profiler``: an nsys capture range of the same iterations (CUDA only)."""
+    use_pytorch_profiler: bool = False
+    profile_ranks: frozenset[int] = frozenset({0})
+    """Global ranks that trace."""
+    profile_step_start: int = 1
+    """The warm-up iteration."""
+    profile_step_end: int = 3
+    """The last traced iteration."""
+    tensorboard_dir: str | None = None
+    """Traces go under ``<tensorboard_dir>/<profile_name>`` (default folder ``runs/tensorboard``)."""
+    profile_name: str = "profile"
 
 
 def iteration_line(
@@ -122,12 +166,14 @@ class Timer:
 class TensorBoardLog:
     """Megatron's TensorBoard tags, written by one rank; a no-op without ``--tensorboard-dir``."""
 
-    def __init__(self, args: PretrainArgs, enabled: bool) -> None:
-        self.args, self.writer = args, None
-        if enabled and args.tensorboard_dir:
+    def __init__(self, config: LoggingConfig, enabled: bool) -> None:
+        self.config, self.writer = config, None
+        if enabled and config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+            self.writer = SummaryWriter(
+                log_dir=config.tensorboard_dir, max_queue=config.tensorboard_queue_size
+            )
 
     def training(
         self,
@@ -143,7 +189,7 @@ class TensorBoardLog:
         global_batch_size: int | None = None,
     ) -> None:
         """One iteration's scalars; ``global_batch_size``: this step's (a ramp's), else the final."""
-        w, a = self.writer, self.args
+        w, a = self.writer, self.config
         if w is None:
             return
         batch = global_batch_size or a.global_batch_size
@@ -154,7 +200,7 @@ class TensorBoardLog:
             w.add_scalar("batch-size vs samples", batch, samples)
         w.add_scalar("lm loss", loss, iteration)
         w.add_scalar("lm loss vs samples", loss, samples)
-        if a.fp16:
+        if a.log_loss_scale_to_tensorboard:
             w.add_scalar("loss-scale", loss_scale, iteration)
             w.add_scalar("loss-scale vs samples", loss_scale, samples)
         if grad_norm is not None:
@@ -171,7 +217,7 @@ class TensorBoardLog:
             return
         w.add_scalar("lm loss validation", loss, iteration)
         w.add_scalar("lm loss validation vs samples", loss, samples)
-        if self.args.log_validation_ppl_to_tensorboard:
+        if self.config.log_validation_ppl_to_tensorboard:
             ppl = float(torch.tensor(min(loss, 700.0)).exp())
             w.add_scalar("lm loss validation ppl", ppl, iteration)
             w.add_scalar("lm loss validation ppl vs samples", ppl, samples)
@@ -202,19 +248,21 @@ class TrainingLog:
     ROW = ("iteration", "consumed", "loss", "grad_norm", "skipped", "nan", "lr", "loss_scale", "iter_ms",
            "step_ms", "batch")  # fmt: skip
 
-    def __init__(self, args: PretrainArgs, *, vocab_size: int, world_size: int, device: torch.device) -> None:
-        self.args, self.world_size = args, world_size
-        self.flops = model_flops_per_iteration(args, vocab_size)
+    def __init__(self, config: LoggingConfig, *, flops: float, world_size: int, device: torch.device) -> None:
+        """``flops``: the model FLOPs of one iteration of ``config.global_batch_size`` samples
+        (``flops.model_flops_per_iteration``)."""
+        self.config, self.world_size = config, world_size
+        self.flops = flops
         self.peak = device_peak_tflops(device)
         keys = ("iterations", "losses", "loss_scales", "grad_norms", "lrs", "val_losses", "iter_ms")
         self.history: dict = {k: [] for k in keys}
         self.history.update(skipped=0, nan=0)
         self._pending: list[list] = []  # this interval's iterations, ROW values (device tensors)
-        self._batch = args.global_batch_size  # this step's global batch (a ramp changes it)
+        self._batch = config.global_batch_size  # this step's global batch (a ramp changes it)
 
     def due(self, iteration: int) -> bool:
         """Whether iteration ``iteration`` prints the line (every --log-interval, and the last)."""
-        return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
+        return iteration % self.config.log_interval == 0 or iteration == self.config.train_iters
 
     def record(
         self,
@@ -234,7 +282,7 @@ class TrainingLog:
         """Add one iteration (``iter_ms``: the whole of it, data, step and logging; ``step_ms``:
         the step alone; its global batch, a ramp's, else the final); on a log iteration, read the
         interval and return it with its line. Nothing is read from the device otherwise."""
-        self._batch = global_batch_size or self.args.global_batch_size
+        self._batch = global_batch_size or self.config.global_batch_size
         row = [
             iteration,
             consumed,
@@ -288,7 +336,7 @@ class TrainingLog:
         self, iteration: int, consumed: int, *, lr: float, loss_scale: float, grad_norm: float | None,
         loss: float, iter_s: float, skipped: int, nan: int,
     ) -> str:  # fmt: skip
-        a = self.args
+        a = self.config
         flops = self.flops * self._batch / a.global_batch_size  # the FLOPs scale with the batch
         tflops = flops / iter_s / self.world_size / 1e12
         return iteration_line(
@@ -323,20 +371,20 @@ class StepProfiler:
     one worker per rank: ``--profile-ranks 0,2`` shows both stages of a TP=2 x PP=2 run.
     """
 
-    def __init__(self, args: PretrainArgs, rank: int, first_iteration: int = 1) -> None:
+    def __init__(self, config: ProfilerConfig, rank: int, first_iteration: int = 1) -> None:
         self.folder = os.path.join(
-            args.tensorboard_dir or os.path.join("runs", "tensorboard"), args.profile_name
+            config.tensorboard_dir or os.path.join("runs", "tensorboard"), config.profile_name
         )
         self.prof = None
         # Megatron's --profile without --use-pytorch-profiler: nsys' capture range, CUDA only
-        nsys = args.profile and not args.use_pytorch_profiler and torch.cuda.is_available()
-        nsys = nsys and rank in profile_ranks(args)
-        self.nsys_range = (args.profile_step_start, args.profile_step_end) if nsys else None
+        nsys = config.profile and not config.use_pytorch_profiler and torch.cuda.is_available()
+        nsys = nsys and rank in config.profile_ranks
+        self.nsys_range = (config.profile_step_start, config.profile_step_end) if nsys else None
         self.iteration = first_iteration - 1  # iterations done
-        if not args.profile_execution or rank not in profile_ranks(args):
+        if not config.profile_execution or rank not in config.profile_ranks:
             return
-        self.end = args.profile_step_end
-        start = args.profile_step_start
+        self.end = config.profile_step_end
+        start = config.profile_step_start
         self.traced = (
             f"iterations {start + 1}-{self.end}" if self.end > start + 1 else f"iteration {self.end}"
         )
