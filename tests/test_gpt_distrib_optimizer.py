@@ -9,7 +9,8 @@ equal the non-overlapped distributed run's bit for bit; dp 2 x tp 2 with sequenc
 equals one process too; so does interleaved pipelining (pp 2 x dp 2, v = 2: each model chunk
 its own buckets) in losses, norms and fp32 parameters; bf16 against the plain optimizer's bf16;
 fp16 (fp16 gradient buffer, loss scaling on the shards, an inf on one rank's shard skipping the
-step on all) against the plain optimizer's fp16 on one process within fp16's rounding; each rank's
+step on all) against the plain optimizer's fp16 on one process within fp16's rounding, and through
+the driver with interleaved pipelining (fp16 activations between the stages); each rank's
 parameters, gradient buffer and optimizer state are Megatron's bytes per parameter exactly (fp32,
 bf16, bf16 with bf16 gradients, fp16), and what the memory estimator predicts.
 """
@@ -17,6 +18,7 @@ bf16, bf16 with bf16 gradients, fp16), and what the memory estimator predicts.
 from __future__ import annotations
 
 import functools
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -39,7 +41,8 @@ from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
 from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
-from tests.conftest import run_gloo
+from distlab.local_ranks import free_port, spawn_ranks
+from tests.conftest import TINY_GPT_ARGV, run_gloo, train_plan
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -348,3 +351,37 @@ def test_fp16_and_interleaving_are_accepted() -> None:
     interleaved = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     layout = validate_args(parse_args([*base, *interleaved, "--global-batch-size", "4"]), 4)
     assert (layout.pp, layout.vp, layout.dp) == (2, 2, 2)
+
+
+def test_fp16_with_interleaved_pipelining_through_the_driver(tmp_path) -> None:
+    """pretrain_gpt.py's own path (one spawn): --fp16 with the distributed optimizer on pp 2 x dp 2
+    with v = 2 (the stages exchange fp16 activations, the weights' dtype, as Megatron's
+    pipeline_dtype) trains as one process's --fp16 does, within fp16's rounding (seen: the losses
+    1e-5 apart, the norms 3e-4)."""
+    mock = (
+        "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --fp16 --initial-loss-scale 4096".split()
+    )
+    distopt = (
+        "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000"
+    )
+    interleaved = "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1"
+    plan = [
+        ("ipp", 4, [*TINY_GPT_ARGV, *mock, *distopt.split(), *interleaved.split()], free_port()),
+        ("one", 1, [*TINY_GPT_ARGV, *mock], free_port()),
+    ]
+    spawn_ranks(train_plan, (plan, str(tmp_path)), 4)
+    run, one = (
+        json.loads((tmp_path / f"{name}.rank{world - 1}.json").read_text()) for name, world, *_ in plan
+    )
+    assert len(one["losses"]) == 3 and run["skipped"] == one["skipped"] == 0
+    assert run["loss_scales"] == one["loss_scales"] == [4096.0] * 3
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(one["losses"]), rtol=2**-11, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(run["grad_norms"]), torch.tensor(one["grad_norms"]), rtol=2**-9, atol=0
+    )
+    line = next(
+        x for x in (tmp_path / "ipp.rank0.log").read_text().splitlines() if "> distributed optimizer" in x
+    )
+    assert (
+        "fp16 parameters, fp16 gradient buffer" in line and "of 2 model chunks; 4 + 16/d = 12 bytes" in line
+    ), line
