@@ -5,7 +5,10 @@ equal those of ``F.scaled_dot_product_attention(is_causal=True)`` on the whole s
 every p2p operation is posted in a batch of one send to the next rank and one receive from the
 previous one. Whole run: a tiny GPT (sequence 16) trains 3 iterations in fp32 with cp = 2,
 cp = 4, cp 2 x tp 2 and cp 2 x pp 2 (one spawn of 4 ranks); losses, gradient norms and the
-validation loss equal the single-process run within 1e-6. On tp 2 x cp 2 (with and without
+validation loss equal the single-process run within 1e-6. RoPE under cp 2: every parameter's
+gradient of a Llama whose attention is far from uniform (init std 0.2) equals one process's within
+1e-5, and the same comparison fails when each cp rank rotates its tokens by local positions (or by
+those of a contiguous split). On tp 2 x cp 2 (with and without
 sequence parallelism) the bytes autograd keeps for the blocks match the memory estimate. Bad
 layouts are refused before any process group exists; notebook 09's exercise check passes only a right run.
 """
@@ -27,8 +30,10 @@ from distlab.gpt.context_parallel.ring_attention import (
     describe,
     pair_work,
     ring_attention,
+    ring_of,
     split_sequence,
 )
+from distlab.gpt.distributed.gradients import reduce_gradients
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.cp_measure import saved_bytes
 from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes, stage_layers_bytes
@@ -152,6 +157,62 @@ def test_context_parallel_gpt_matches_single_process(runs: Path, name: str) -> N
     assert_same_training(last, ref, name, tol=RTOL)
     first = (runs / f"{name}.rank0.log").read_text()
     assert f"> context parallelism: {cp} ranks, sequence 16 in {2 * cp} chunks" in first
+
+
+# --- RoPE at global positions -------------------------------------------------------------------
+#: A Llama (RoPE, RMSNorm, SwiGLU, 2 K/V groups, untied, no biases) whose attention is far from
+#: uniform: at std 0.2 the scores q.k spread over several units, so where RoPE puts each token
+#: changes every gradient (at Megatron's 0.0134 the losses of wrong positions still agree to 1e-6)
+ROPE_LLAMA = GPTConfig(
+    num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, max_position_embeddings=16,
+    position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=64,
+    num_query_groups=2, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+    init_method_std=0.2,
+)  # fmt: skip
+
+
+def _gradients(state: ParallelState, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of the mean loss over (b, T) tokens: with cp, this rank's T / cp
+    (its two chunks), then averaged over the cp ranks (``reduce_gradients``)."""
+    model = GPTModel(ROPE_LLAMA, state)
+    ring = ring_of(state)
+    if ring is not None:
+        tokens, labels = split_sequence(tokens, ring), split_sequence(labels, ring)
+    model(tokens, labels).mean().backward()
+    if state.cp > 1:
+        reduce_gradients(list(model.parameters()), None, state)
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _worst(grads: dict, ref: dict) -> float:
+    """The largest error of any parameter's gradient, relative to that gradient's largest element."""
+    return max(((grads[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
+
+
+def _rope_cp_rank(ctx) -> None:
+    state = ParallelState.build(Layout(2, cp=2))
+    data = torch.randint(0, ROPE_LLAMA.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    tokens, labels = data[:, :-1], data[:, 1:]  # (b, T) = (2, 16): chunks [0, 3] on rank 0, [1, 2] on rank 1
+    ref = _gradients(ParallelState(Layout(1), rank=0), tokens, labels)
+    assert _worst(_gradients(state, tokens, labels), ref) < 1e-5  # seen: 1.1e-6
+    right = GPTModel.positions
+    wrong = {
+        "local positions 0 .. T/cp - 1": lambda self, length, device, first=0: torch.arange(length, device=device),
+        "a contiguous split's": lambda self, length, device, first=0: (
+            torch.arange(length, device=device) + length * self.ring.index
+        ),
+    }  # fmt: skip
+    try:
+        for why, positions in wrong.items():
+            GPTModel.positions = positions  # every cp rank rotates its tokens as if they sat there
+            error = _worst(_gradients(state, tokens, labels), ref)  # seen: 1.9 and 3.1
+            assert error > 0.1, f"RoPE with {why} gives one process's gradients (error {error:.1e})"
+    finally:
+        GPTModel.positions = right
+
+
+def test_rope_under_cp_gives_every_gradient_of_one_process_and_fails_at_wrong_positions() -> None:
+    run_gloo(_rope_cp_rank, 2)
 
 
 # --- refusals ---------------------------------------------------------------------------------

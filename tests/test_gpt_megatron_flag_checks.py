@@ -54,7 +54,6 @@ def check(argv: list[str], world: int = 1):
          "--overlap-param-gather is only supported with the distributed optimizer"),
         (["--use-distributed-optimizer", "--overlap-param-gather"],
          "--overlap-param-gather must be used with --overlap-grad-reduce"),
-        (["--use-distributed-optimizer", "--fp16"], "--use-distributed-optimizer with --fp16: not supported"),
         (["--wandb-project", "p", "--wandb-exp-name", "x"],
          "--wandb-project p --wandb-exp-name x: Weights & Biases is not installed"),
         (["--tokenizer-type", "TikTokenizer"], "--tokenizer-type TikTokenizer: not built in this engine"),

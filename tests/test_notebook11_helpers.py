@@ -5,7 +5,9 @@ parameter per rank from the memory lines (``logs.memory.bytes_per_parameter``)."
 from __future__ import annotations
 
 import pytest
+import torch
 
+from distlab.gpt.distributed.distrib_optimizer import bytes_per_parameter as table
 from distlab.gpt.tools import architecture_steps
 from distlab.gpt.tools.launch_script import script_argv
 from distlab.logs.formats import MEMORY, RANK_COORDS
@@ -50,12 +52,17 @@ def test_script_argv_prints_what_the_script_passes(tmp_path) -> None:
 
 
 def test_bytes_per_parameter_from_the_memory_lines() -> None:
-    """fp32 with the distributed optimizer over d = 2: 4 + 4 + 8/2 = 12 bytes per parameter."""
+    """bf16 with bf16 gradients and the distributed optimizer over d = 4: 2 + 2 + 16/4 = 8 bytes per
+    parameter, the table's 4 + 16/d, told apart from 6 + 12/d = 9 and 8 + 8/d = 10 (at d = 2 all three
+    give 12)."""
     values, mib = 100_000, 100_000 / 2**20
-    lines = [MEMORY.format(rank=r, coords=RANK_COORDS.format(tp=0, pp=0, dp=r), params_mib=4 * mib, values=values,
-                           grads_mib=4 * mib, optim_mib=4 * mib, peak_kind="peak RSS", peak_mib=800.0)
-             for r in range(2)]  # fmt: skip
+    lines = [MEMORY.format(rank=r, coords=RANK_COORDS.format(tp=0, pp=0, dp=r), params_mib=2 * mib, values=values,
+                           grads_mib=2 * mib, optim_mib=4 * mib, peak_kind="peak RSS", peak_mib=800.0)
+             for r in range(4)]  # fmt: skip
     got, rounding = bytes_per_parameter("\n".join(lines))
-    assert abs(got - 12) <= rounding < 0.2
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert abs(got - table(bf16, 4, bf16)) <= rounding < 0.2
+    assert all(abs(got - other) > rounding for other in (table(bf16, 4, fp32), table(fp32, 4, fp32)))
+    assert table(bf16, 2, bf16) == table(bf16, 2, fp32) == table(fp32, 2, fp32) == 12
     with pytest.raises(ValueError, match="memory"):
         bytes_per_parameter("no such line")

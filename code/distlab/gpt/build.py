@@ -225,7 +225,11 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         optimizer=optimizer,
         scaler=scaler,
         lr_schedule=lr_schedule(args),
-        forward_backward=build_forward_backward(args, state, device, timeline),
+        # the stages exchange activations in the weights' dtype: half under the distributed
+        # optimizer (Megatron's pipeline_dtype), fp32 for fp32 weights under autocast
+        forward_backward=build_forward_backward(
+            args, state, device, timeline, next(model.parameters()).dtype
+        ),
         timeline=timeline,
         tlog=log.TrainingLog(
             log_config, flops=model_flops_per_iteration(flops), world_size=ctx.world_size, device=device
@@ -380,7 +384,8 @@ def build_forward_backward(
     dtype: torch.dtype = torch.float32,
 ) -> Callable[..., torch.Tensor]:
     """pp = 1: a loop over the micro-batches; pp > 1: GPipe, 1F1B or interleaved 1F1B (v > 1),
-    sending ``dtype`` between stages (fp32: the residual stream under autocast; a dry run's half model: half)."""
+    sending ``dtype`` between stages, the weights' (fp32: the residual stream under autocast; half with
+    the distributed optimizer's half weights, as Megatron's ``pipeline_dtype``, and a dry run's half model)."""
     if state.pp == 1:
         return forward_backward
     sp = state.tp if state.layout.sequence_parallel else 1  # SP: T / tp per rank

@@ -3,10 +3,10 @@
 Megatron-LM's own rules: ``--overlap-param-gather`` only with the distributed optimizer, and only
 with ``--overlap-grad-reduce``. This engine's: the distributed optimizer is its own back end's
 (not DeepSpeed's or FSDP2's, which shard in their own ways), over the hand-written tensor
-parallelism, with fp32 or bf16 parameters (fp16 would need fp16 gradient buffers and loss scaling
-on the shards: not built), without interleaved pipelining (one buffer per model chunk: not built).
-Expert parallelism is built as Megatron's: the experts' buckets are sharded over their
-expert-data-parallel group (``distributed/param_and_grad_buffer.py``).
+parallelism. Everything else is built as Megatron's (``distributed/distrib_optimizer.py``): fp32,
+bf16 and fp16 parameters (fp16 with loss scaling on the shards), interleaved pipelining (each
+model chunk its own buckets), and expert parallelism (the experts' buckets sharded over their
+expert-data-parallel group).
 """
 
 from __future__ import annotations
@@ -31,10 +31,6 @@ def distributed_optimizer_errors(args: PretrainArgs, layout: Layout) -> list[str
         ("--use-torch-fsdp2", args.use_torch_fsdp2, "FSDP2 shards the optimizer state itself"),
         ("--tensor-parallel-impl dtensor", args.tensor_parallel_impl == "dtensor" and layout.tp > 1,
          "use the default --tensor-parallel-impl local"),
-        ("--fp16", args.fp16, "fp16 would need fp16 gradient buffers and loss scaling on the shards; "
-         "use --bf16 (or fp32), or drop --use-distributed-optimizer"),
-        (f"--virtual-pipeline-model-parallel-size {layout.vp}", layout.vp > 1,
-         "one buffer per model chunk is not built; drop interleaving (or the distributed optimizer)"),
     )  # fmt: skip
     for flag, given, fix in refused:
         if given:

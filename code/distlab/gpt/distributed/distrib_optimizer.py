@@ -7,6 +7,7 @@ Contract: the same update as the plain optimizer on the whole model, computed by
 element-wise, so shards change nothing but where each element is updated::
 
     finish_grad_sync    shard of main_grad = mean gradient         (reduce-scatter per bucket)
+    unscale (fp16)      fp32 shard / S; inf or nan on any rank: the step is skipped
     norm                ||g||^2 = sum over dp x cp shards (then tp, pp) of the counted elements
                         (an expert's elements: one shard in its edp group, its experts on one ep
                         rank; the ep x edp ranks are the dp x cp group: each element counted once)
@@ -15,14 +16,25 @@ element-wise, so shards change nothing but where each element is updated::
 
 Bytes per parameter per rank (Megatron-LM's table, ``docs/user-guide/features/dist_optimizer.md``)::
 
-    bf16 parameters    2 (param) + 4 (fp32 grad) + (4 main + 4 + 4 moments) / d  =  6 + 12 / d
-    fp32 parameters    4 (param) + 4 (fp32 grad) + (4 + 4 moments) / d          =  8 +  8 / d
+    fp16 parameters    2 (param) + 2 (fp16 grad) + (4 main + 4 main grad + 4 + 4 moments) / d  =  4 + 16 / d
+    bf16 parameters    2 (param) + 4 (fp32 grad) + (4 main + 4 + 4 moments) / d                =  6 + 12 / d
+    fp32 parameters    4 (param) + 4 (fp32 grad) + (4 + 4 moments) / d                        =  8 +  8 / d
 
-against 18 and 16 without (d = 1); for the experts d is the edp group's size. With ``--grad-reduce-in-bf16`` the gradient buffer is bf16 and
-the fp32 main gradients are sharded too: ``2 + 2 + 16 / d`` (the table's fp16 row). With fp32
-parameters the main parameter is the parameter's own shard (a view); with bf16 the model's weights
-are bf16 and the fp32 main copy lives here only. Padding (under d elements per bucket) is in the
-buffers but has no moments.
+against 20, 18 and 16 without (d = 1); for the experts d is the edp group's size. With
+``--grad-reduce-in-bf16`` the bf16 run's gradient buffer is bf16 too: ``4 + 16 / d``, the fp16
+row. With fp32 parameters the main parameter is the parameter's own shard (a view); with bf16 or
+fp16 the model's weights are half and the fp32 main copy lives here only. Padding (under d
+elements per bucket) is in the buffers but has no moments.
+
+fp16 (``--fp16``, Megatron's ``--accumulate-allreduce-grads-in-fp32`` off, its default): the
+gradient buffer holds ``S g`` in fp16 (``S`` the loss scale, ``loss_scaler.py``); after the
+reduce-scatter each rank copies its shard to the fp32 main gradients, divides them by ``S`` and
+looks for inf / nan there; any on any rank skips the step on every rank (nothing is updated or
+gathered) and the scaler backs off, as Megatron's ``MixedPrecisionOptimizer`` does.
+
+Interleaved pipelining (v model chunks on a rank): each chunk has its own buckets
+(:func:`model_chunks`; Megatron builds one ``DistributedDataParallel`` and its buffers per chunk
+and one ``DistributedOptimizer`` over all of them); this optimizer steps all of them at once.
 """
 
 from __future__ import annotations
@@ -239,6 +251,32 @@ class DistributedOptimizer:
         return own + moments
 
 
+def model_chunks(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameters of each of the model's v chunks (``GPTModel.chunks``, 1 without interleaving),
+    in registration order: chunk ``c`` those of the blocks it runs (``per_chunk`` of ``model.layers``
+    each), chunk 0 also the embeddings' (``wte``, ``wpe``: they run before it), the last chunk the
+    rest (the final norm and the output layer, or E's copy: they run after it)."""
+    v = getattr(model, "chunks", 1)
+    if v == 1:
+        return [list(model.parameters())]
+    blocks = list(model.layers.values())  # (v per_chunk,): chunk c holds [c per_chunk, (c + 1) per_chunk)
+    chunk_of = {p: i // model.per_chunk for i, block in enumerate(blocks) for p in block.parameters()}
+    embeddings = [getattr(model, name) for name in ("wte", "wpe") if hasattr(model, name)]  # first stage
+    chunk_of.update((p, 0) for module in embeddings for p in module.parameters())
+    chunks = [[] for _ in range(v)]
+    for p in model.parameters():
+        chunks[chunk_of.get(p, v - 1)].append(p)
+    return chunks
+
+
+def gradient_buffer_dtype(dtype: torch.dtype, grad_reduce_in_bf16: bool) -> torch.dtype:
+    """Megatron's: fp32 gradients for fp32 and bf16 parameters (bf16 with ``--grad-reduce-in-bf16``),
+    fp16 ones for fp16 parameters (its ``--accumulate-allreduce-grads-in-fp32`` off by default)."""
+    if dtype == torch.float16:
+        return torch.float16
+    return torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
+
+
 def build_distributed_optimizer(
     model: nn.Module,
     state: ParallelState,
@@ -246,16 +284,16 @@ def build_distributed_optimizer(
     ddp_config: DistributedDataParallelConfig,
     dtype: torch.dtype,
 ) -> DistributedOptimizer:
-    """The buffers (parameters cast to ``dtype``) and ``config``'s optimizer on their shards, with
-    ``ddp_config``'s bucket size, overlaps and gradient dtype."""
+    """The buffers (parameters cast to ``dtype``; one set per model chunk) and ``config``'s optimizer
+    on their shards, with ``ddp_config``'s bucket size, overlaps and gradient dtype."""
     keys = {p: group_key(name, p, config) for name, p in model.named_parameters()}
     size = ddp_config.bucket_size or default_bucket_size(state.dp * state.cp)
     buffer = ParamAndGradBuffer(
-        list(model.parameters()),
+        model_chunks(model),
         state,
         bucket_size=size,
         dtype=dtype,
-        grad_dtype=torch.bfloat16 if ddp_config.grad_reduce_in_bf16 else torch.float32,
+        grad_dtype=gradient_buffer_dtype(dtype, ddp_config.grad_reduce_in_bf16),
         overlap_grad_reduce=ddp_config.overlap_grad_reduce,
         overlap_param_gather=ddp_config.overlap_param_gather,
         hold=model.tied_embedding() if state.embedding_group is not None else None,
@@ -276,7 +314,7 @@ def check_layout(saved: list[int], mine: list[int]) -> None:
 
 def bytes_per_parameter(dtype: torch.dtype, d: int, grad_dtype: torch.dtype = torch.float32) -> float:
     """Megatron's table per rank: fp32 ``8 + 8 / d``; bf16 parameters with fp32 gradients
-    ``6 + 12 / d``; with bf16 gradients (``--grad-reduce-in-bf16``, the table's fp16 row) ``4 + 16 / d``."""
+    ``6 + 12 / d``; with half gradients (fp16's, or bf16's with ``--grad-reduce-in-bf16``) ``4 + 16 / d``."""
     if dtype == torch.float32:
         return 8 + 8 / d
     return 6 + 12 / d if grad_dtype == torch.float32 else 4 + 16 / d
@@ -289,6 +327,7 @@ def distributed_optimizer_line(optimizer: DistributedOptimizer, dtype: torch.dty
     kind = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     grad = buffer.buckets[0].grad_data.dtype if buffer.buckets else torch.float32
     formula = "8 + 8/d" if dtype == torch.float32 else "6 + 12/d" if grad == torch.float32 else "4 + 16/d"
+    chunks = f" of {buffer.chunks} model chunks" if buffer.chunks > 1 else ""
     experts = buffer.buckets[buffer.num_dense :]
     edp = experts[0].d if experts else 0
     expert_part = (
@@ -299,7 +338,7 @@ def distributed_optimizer_line(optimizer: DistributedOptimizer, dtype: torch.dty
     )
     return (
         f"> distributed optimizer: {kind[dtype]} parameters, {kind[grad]} gradient buffer, fp32 main "
-        f"parameters and moments sharded over dp x cp = {d} ranks in {buffer.num_dense} bucket(s); "
+        f"parameters and moments sharded over dp x cp = {d} ranks in {buffer.num_dense} bucket(s){chunks}; "
         f"{formula} = {bytes_per_parameter(dtype, d, grad):g} bytes per parameter per rank{expert_part} "
         f"(overlap grad reduce {buffer.overlap_grad_reduce}, overlap param gather {buffer.overlap_param_gather})"
     )

@@ -22,20 +22,23 @@ dense parameters' over ``dp_cp_group`` (``d = dp x cp``), and with ep > 1 the ex
 experts. Both kinds scale by ``1 / (dp x cp)`` before the sum (Megatron's
 ``gradient_scaling_factor`` and ``expert_gradient_scaling_factor`` without
 ``average_in_collective``): an expert's gradient on a rank already sums the tokens its ep group's
-ranks sent it, so the sum over the edp group covers every dp x cp rank's tokens once.
+ranks sent it, so the sum over the edp group covers every dp x cp rank's tokens once. With
+interleaved pipelining (v model chunks per rank) each chunk has its own buckets of each kind, as
+Megatron wraps each chunk in its own ``DistributedDataParallel``: no bucket mixes two chunks, so a
+chunk's buckets start their reduce-scatters in that chunk's last backward.
 
 Bytes per parameter on a rank (parameters in ``k`` bytes): ``k`` for the parameter and 4 for its
 fp32 gradient here (2 in bf16); ``distrib_optimizer.py`` adds the 12 / d (bf16: fp32 main copy + two moments)
 or 8 / d (fp32: the moments; the parameter is its own main copy).
 
 ``overlap_grad_reduce``: the last gradient of a bucket accumulated during the step's last
-micro-batch (the schedule's ``grad_sync``; with pp > 1 each stage's last backward) starts its
-reduce-scatter at once (held back: the bucket of the tied embedding, whose
+micro-batch (the schedule's ``grad_sync``; with pp > 1 each stage's, and chunk's, last backward)
+starts its reduce-scatter at once (held back: the bucket of the tied embedding, whose
 two stages' gradients are summed first). ``overlap_param_gather``: after the step only the bucket
-the forward needs first (the last one of each kind) starts its all-gather; a module's forward
-pre-hook waits for the bucket of its parameters and starts the next one of its kind (Megatron's
-chain, one per list). Without them the same collectives run one after the other, with the same
-sums: the flags move when, never what.
+the forward needs first (the last one of each kind and chunk) starts its all-gather; a module's
+forward pre-hook waits for the bucket of its parameters and starts the next one of its kind and
+chunk (Megatron's chain, one per list). Without them the same collectives run one after the
+other, with the same sums: the flags move when, never what.
 """
 
 from __future__ import annotations
@@ -88,12 +91,13 @@ class Bucket:
 
 
 class ParamAndGradBuffer:
-    """The ``params`` (registration order) in bucketed buffers: the dense ones sharded over dp x cp,
-    with ep > 1 the experts' over their expert-data-parallel group (after the dense buckets)."""
+    """The parameters of each model chunk (``chunks``: one list, registration order, per chunk; one
+    chunk without interleaving) in bucketed buffers: the dense ones sharded over dp x cp, with
+    ep > 1 the experts' over their expert-data-parallel group (after every chunk's dense buckets)."""
 
     def __init__(
         self,
-        params: Sequence[nn.Parameter],
+        chunks: Sequence[Sequence[nn.Parameter]],
         state: ParallelState,
         *,
         bucket_size: int,
@@ -104,21 +108,23 @@ class ParamAndGradBuffer:
         hold: torch.Tensor | None = None,  # its bucket waits for finish (the tied embedding)
     ) -> None:
         self.group, self.d = state.dp_cp_group, state.dp * state.cp  # the dense parameters'
+        self.chunks = len(chunks)  # v model chunks (interleaved pipelining), each its own buckets
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
-        trained = [p for p in params if p.requires_grad]
-        experts = [p for p in trained if state.ep > 1 and is_expert(p)]
-        dense = [p for p in trained if not (state.ep > 1 and is_expert(p))]
-        kinds = [(dense, self.group, self.d)] + (
-            [(experts, state.edp_group, self.d // state.ep)] if experts else []
-        )
+        trained = [[p for p in chunk if p.requires_grad] for chunk in chunks]
+        expert = [[p for p in chunk if state.ep > 1 and is_expert(p)] for chunk in trained]
+        dense = [[p for p in chunk if not (state.ep > 1 and is_expert(p))] for chunk in trained]
+        kinds = [(chunk, self.group, self.d) for chunk in dense] + [
+            (chunk, state.edp_group, self.d // state.ep) for chunk in expert if chunk
+        ]  # every chunk's dense parameters, then every chunk's experts
         self.buckets: list[Bucket] = []
-        self.next_gather: list[int | None] = []  # the bucket of the same kind the forward needs next
+        # the bucket of the same kind and chunk that the forward needs next
+        self.next_gather: list[int | None] = []
         for n, (kind, group, d) in enumerate(kinds):
             rank, first = dist.get_rank(group) if d > 1 else 0, len(self.buckets)
             for b in assign_buckets(kind, bucket_size):
                 self.buckets.append(Bucket(b, group, d, rank, 1 / self.d, (dtype, grad_dtype)))
                 self.next_gather.append(len(self.buckets) - 2 if len(self.buckets) - 1 > first else None)
-            if n == 0:
+            if n == len(dense) - 1:
                 self.num_dense = len(self.buckets)  # buckets [0, num_dense) are the dense ones
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.params}
         self.held = {self.bucket_of[hold]} if hold is not None and hold in self.bucket_of else set()

@@ -20,8 +20,9 @@ table (its distributed-optimizer documentation, without the distributed optimize
 with fp16 parameters and gradients (the gradients are copied to fp32 main gradients for the step)
 and 18 with bf16 parameters and fp32 gradients; its distributed optimizer shards the fp32 main
 parameters and moments (with fp16, the fp32 main gradients too): 4 + 16/dp and 6 + 12/dp. This
-engine's (``--use-distributed-optimizer``) keeps bf16 parameters under --bf16, as Megatron does:
-8 + 8/d (fp32), 6 + 12/d (bf16), 4 + 16/d (bf16 with --grad-reduce-in-bf16), d = dp x cp.
+engine's (``--use-distributed-optimizer``) keeps bf16 (fp16) parameters under --bf16 (--fp16), as
+Megatron does: 8 + 8/d (fp32), 6 + 12/d (bf16), 4 + 16/d (fp16, and bf16 with --grad-reduce-in-bf16),
+d = dp x cp.
 
 ZeRO stage 1 divides the optimizer state by dp, stage 2 also the gradients, stage 3 also the
 parameters; offload moves the optimizer state (stage 3: also the parameters) to the CPU.
@@ -432,10 +433,12 @@ def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
         fp32                      4 + 4 + 8 / d                 =  8 +  8 / d
         bf16                      2 + 4 + (4 main + 8) / d      =  6 + 12 / d
         bf16, bf16 gradients      2 + 2 + (4 + 4 + 8) / d       =  4 + 16 / d
+        fp16 (fp16 gradients)     2 + 2 + (4 + 4 + 8) / d       =  4 + 16 / d
 
-    (bucket padding, under d elements each, left out; the experts' d is dp x cp / ep). Weights bf16
+    (bucket padding, under d elements each, left out; the experts' d is dp x cp / ep). Weights half
     already: no autocast copies; activations as under autocast over fp32 weights (an upper bound)."""
-    d, half, g_bytes = c.dp * c.cp, c.precision in _HALF, 2 if c.grad_reduce_in_bf16 else 4
+    half_grads = c.grad_reduce_in_bf16 or c.precision == "fp16"
+    d, half, g_bytes = c.dp * c.cp, c.precision in _HALF, 2 if half_grads else 4
     k = 8 + (4 if half else 0) + (4 if g_bytes == 2 else 0)
     sharded = (n + (c.ep - 1) * rank_parameters.expert_parameters(c)) * k / d  # experts: ep x fewer ranks
     return MemoryEstimate(
