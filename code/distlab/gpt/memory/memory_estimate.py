@@ -20,12 +20,10 @@ table (its distributed-optimizer documentation, without the distributed optimize
 with fp16 parameters and gradients (the gradients are copied to fp32 main gradients for the step)
 and 18 with bf16 parameters and fp32 gradients; its distributed optimizer shards the fp32 main
 parameters and moments (with fp16, the fp32 main gradients too): 4 + 16/dp and 6 + 12/dp. This
-engine's (``--use-distributed-optimizer``) keeps bf16 (fp16) parameters under --bf16 (--fp16), as
-Megatron does: 8 + 8/d (fp32), 6 + 12/d (bf16), 4 + 16/d (fp16, and bf16 with --grad-reduce-in-bf16),
-d = dp x cp.
-
-ZeRO stage 1 divides the optimizer state by dp, stage 2 also the gradients, stage 3 also the
-parameters; offload moves the optimizer state (stage 3: also the parameters) to the CPU.
+engine's distributed optimizer keeps half parameters under --bf16 / --fp16, as Megatron does:
+8 + 8/d (fp32), 6 + 12/d (bf16), 4 + 16/d (fp16, and bf16 with --grad-reduce-in-bf16), d = dp x cp.
+ZeRO stages 1, 2, 3 divide by dp the optimizer state, + the gradients, + the parameters; offload
+moves the optimizer state (stage 3: also the parameters) to the CPU.
 
 **Activations per layer** (Korthikanti et al. 2022) in half precision, with dropout and the
 attention scores stored::
@@ -43,9 +41,8 @@ This course's GPT has no dropout (dropout 0). In units of s b h values (t = tp),
     --attention-backend unfused|local only: the softmax probabilities,
       a s / h (the b a s^2 / t scores), fp32 and, under autocast, a half copy   a s / (h t)
 
-PyTorch's fused attention (``--attention-backend auto|flash|fused``) keeps no scores, only its
-output, which is the projection's input, and a log-sum-exp of b a s / t values (not counted).
-So a block keeps, in bytes::
+PyTorch's fused attention (``--attention-backend auto|flash|fused``) keeps no scores, only its output
+(the projection's input) and a log-sum-exp of b a s / t values (not counted). A block keeps, in bytes::
 
                          fused attention      explicit attention
     fp32                 4 sbh (16)           4 sbh (16 + as/h)
@@ -437,8 +434,8 @@ def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
 
     (bucket padding, under d elements each, left out; the experts' d is dp x cp / ep). Weights half
     already: no autocast copies; activations as under autocast over fp32 weights (an upper bound)."""
-    half_grads = c.grad_reduce_in_bf16 or c.precision == "fp16"
-    d, half, g_bytes = c.dp * c.cp, c.precision in _HALF, 2 if half_grads else 4
+    d, half = c.dp * c.cp, c.precision in _HALF
+    g_bytes = 2 if c.grad_reduce_in_bf16 or c.precision == "fp16" else 4
     k = 8 + (4 if half else 0) + (4 if g_bytes == 2 else 0)
     sharded = (n + (c.ep - 1) * rank_parameters.expert_parameters(c)) * k / d  # experts: ep x fewer ranks
     return MemoryEstimate(
