@@ -169,7 +169,7 @@ def report(candidates: list[Candidate], top: int = 5, refused: list[Refused] = (
         seen: set[str] = set()
         for r in refused:
             reason = r.why.removeprefix("invalid arguments: ")
-            kind = re.sub(r"\d+", "N", reason)  # one example of each kind of refusal
+            kind = re.sub(r"\d+", "N", reason.split(": ")[0])  # one example of each kind of refusal
             if kind not in seen and len(seen) < 3:
                 seen.add(kind)
                 lines.append(f">   {r.name:38s} {reason}")
