@@ -32,8 +32,10 @@ from distlab.gpt.context_parallel.ring_attention import (
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.cp_measure import saved_bytes
 from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes, stage_layers_bytes
+from distlab.gpt.memory.meters import PREDICTION
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data
+from distlab.gpt.training.log import ITERATION
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.local_ranks import free_port, spawn_ranks
 from distlab.logs.exercise import (
@@ -42,7 +44,6 @@ from distlab.logs.exercise import (
     long_sequence_predictions,
     long_sequence_run,
 )
-from distlab.logs.formats import ITERATION, PREDICTION
 from tests.conftest import assert_same_training, run_gloo, train_plan
 
 pytestmark = pytest.mark.timeout(300)

@@ -23,9 +23,8 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training import housekeeping
-from distlab.gpt.training.log import iteration_line
+from distlab.gpt.training.log import ITERATION, iteration_line
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
-from distlab.logs.formats import ITERATION
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.logs.formats import ITERATION
+from distlab.gpt.training.log import ITERATION
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,12 +14,11 @@ from distlab.gpt.memory.memory_estimate import (
     activation_bytes,
     block_bytes,
     estimate,
-    format_prediction,
     korthikanti_layer_bytes,
     stage_layers_bytes,
     stage_parameters,
 )
-from distlab.gpt.memory.meters import cpu_peak_since, reset_cpu_peak
+from distlab.gpt.memory.meters import cpu_peak_since, format_prediction, reset_cpu_peak
 from distlab.gpt.memory.parameters import num_parameters
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from distlab.gpt.memory.meters import MEMORY, RANK_COORDS
 from distlab.gpt.tools import architecture_steps
 from distlab.gpt.tools.launch_script import script_argv
-from distlab.logs.formats import MEMORY, RANK_COORDS
 from distlab.logs.memory import bytes_per_parameter
 
 

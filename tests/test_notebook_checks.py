@@ -20,8 +20,10 @@ from torch.utils.data import DistributedSampler
 from distlab import REPO_ROOT, topology
 from distlab.checks import FIXME, ExerciseError, check, script_untouched
 from distlab.comm import collectives
+from distlab.gpt.build import PARAMETERS
+from distlab.gpt.pretrain import MOE
+from distlab.gpt.training.log import ITERATION
 from distlab.logs import experts, nccl
-from distlab.logs.formats import ITERATION, MOE, PARAMETERS
 
 WORLD = 4  # the local cluster's two-node jobs: 2 nodes x 2 processes
 CHUNKS = [len(c) for c in torch.tensor_split(torch.arange(1001), WORLD)]

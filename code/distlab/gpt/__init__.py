@@ -84,5 +84,7 @@ never up (``tests/test_imports.py`` checks it)::
     tools/             local_run (spawned runs for tests and notebooks), diagrams (images/gpt/)
                        ~ Megatron-LM's tools/
 
-Every printed line is defined in ``distlab.logs.formats``.
+Every line the notebooks read back is a :class:`~distlab.log_line.LogLine` defined in the module that
+prints it (``parallel_state.BANNER``, ``training/log.ITERATION``, ...); ``distlab.logs`` imports them
+from there, never the other way.
 """
