@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from distlab.gpt.build import PARAMETERS
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+from distlab.local_runs import prepare_data, spawn_pretrain
 from distlab.logs.experts import expert_load, imbalance
 from distlab.logs.megatron import throughput
 

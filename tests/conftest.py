@@ -107,7 +107,7 @@ def train_plan(rank: int, plan: list, out: str) -> None:
     import json
     from pathlib import Path
 
-    from distlab.gpt.tools.local_run import pretrain_as_rank
+    from distlab.local_runs import pretrain_as_rank
 
     torch.set_num_threads(1)
     for name, world, argv, port in plan:

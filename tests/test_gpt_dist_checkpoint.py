@@ -28,8 +28,8 @@ from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.tools.local_run import RunResult, prepare_data, spawn_pretrain
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.local_runs import RunResult, prepare_data, spawn_pretrain
 from tests.conftest import run_gloo
 from tests.test_gpt_training import TINY
 

@@ -36,10 +36,10 @@ from distlab.gpt.build import BATCH
 from distlab.gpt.checkpointing.checkpointer import SAVED
 from distlab.gpt.checkpointing.checkpointing import resume_line
 from distlab.gpt.pretrain import EXIT_SIGNAL, HANG
-from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.training.fault_handling import ExitSignal
 from distlab.gpt.training.log import ITERATION
 from distlab.local_ranks import free_port, torchrun_env
+from distlab.local_runs import prepare_data
 from distlab.logs import restarts
 from distlab.logs.megatron import banner_line
 

@@ -251,7 +251,7 @@ def test_no_load_optim_and_no_load_rng(fmt, tmp_path):
 def test_exit_duration_in_mins_stops_and_saves(tmp_path):
     """--exit-duration-in-mins: every rank stops at the same iteration once the time is up, and
     the run saves there (with --save), as Megatron's training loop does."""
-    from distlab.gpt.tools.local_run import spawn_pretrain
+    from distlab.local_runs import spawn_pretrain
 
     argv = [*BASE, "--train-iters", "50", "--exit-duration-in-mins", "1e-6", "--save", str(tmp_path / "ckpt")]
     run = spawn_pretrain(argv, 2, tmp_path / "run")

@@ -12,8 +12,8 @@ from distlab.gpt.data.gpt_dataset import build_datasets
 from distlab.gpt.data.prefetch import Prefetcher
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.training.training import micro_batches
+from distlab.local_runs import prepare_data
 
 
 def test_prefetched_batches_are_the_loops_and_read_off_its_thread(tmp_path) -> None:

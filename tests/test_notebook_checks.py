@@ -252,7 +252,7 @@ def pipelined_runs(tmp_path_factory) -> dict[int, tuple[str, object]]:
     """Real PP = 2 (1F1B) runs of notebook 05's layers with m = 1 and m = 8 micro-batches of 8
     sequences of 128 per step (passes long enough next to a gloo send's latency on a loaded
     machine): {m: (log text, timeline path)}."""
-    from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+    from distlab.local_runs import prepare_data, spawn_pretrain
 
     root = tmp_path_factory.mktemp("pipelined")
     data = prepare_data(root / "data", vocab_size=512, max_files=80).argv()
