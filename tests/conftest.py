@@ -24,6 +24,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "Slurm's timers, or on a process group's timeout), not computing; ./lab test runs these beside "
         "the other tests",
     )
+    config.addinivalue_line(
+        "markers",
+        "engine_fast: a module of the GPT engine's unit tests that spawns no ranks and no run and takes "
+        "seconds (`pytest -m engine_fast`: the engine's quick check, about a minute on 2 cores)",
+    )
 
 
 def cluster_available() -> bool:

@@ -27,7 +27,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 convert_checkpoint, generate = entry_script("convert_checkpoint"), entry_script("generate")
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

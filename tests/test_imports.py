@@ -15,7 +15,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import distlab
+
+pytestmark = pytest.mark.engine_fast
 
 PACKAGE = Path(distlab.__file__).parent
 

@@ -18,6 +18,8 @@ from distlab.gpt.tensor_parallel.layers import VOCAB_PADDING
 from distlab.gpt.training.log import ITERATION, VALIDATION, iteration_line, validation_lines
 from distlab.log_line import LogLine
 
+pytestmark = pytest.mark.engine_fast
+
 # Lines as the engine printed them before the formats moved into one module (its f-strings).
 ITERATION_TEXT = (
     " iteration        3/      10 | consumed samples:           24 | elapsed time per iteration (ms): 1234.6 |"
