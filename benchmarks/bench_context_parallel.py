@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 
 from distlab import REPO_ROOT
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.logs.formats import MEMORY
+from distlab.gpt.memory.meters import MEMORY
+from distlab.local_runs import prepare_data, spawn_pretrain
 from distlab.logs.megatron import throughput
 from distlab.logs.memory import prediction
 

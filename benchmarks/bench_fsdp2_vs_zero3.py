@@ -21,8 +21,8 @@ import json
 import statistics
 from pathlib import Path
 
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.logs.formats import COMPILE
+from distlab.gpt.native.torch_compile import COMPILE
+from distlab.local_runs import prepare_data, spawn_pretrain
 from distlab.logs.megatron import iterations
 
 VARIANTS = {

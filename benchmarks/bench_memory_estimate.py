@@ -36,9 +36,9 @@ import tempfile
 import torch
 
 from distlab import REPO_ROOT
-from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.training.log import ITERATION_RE
 from distlab.local_ranks import free_port
+from distlab.local_runs import prepare_data
 from distlab.logs.memory import prediction
 
 RECOMPUTE = {  # the grid's recompute column -> pretrain_gpt.py's flags

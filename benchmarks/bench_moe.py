@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.build import PARAMETERS
+from distlab.local_runs import prepare_data, spawn_pretrain
 from distlab.logs.experts import expert_load, imbalance
-from distlab.logs.formats import PARAMETERS
 from distlab.logs.megatron import throughput
 
 

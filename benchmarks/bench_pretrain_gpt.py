@@ -33,9 +33,9 @@ from distlab.gpt.data.tokenizer import GPT2BPETokenizer
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.pretrain import pretrain
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.local_ranks import free_port
+from distlab.local_runs import prepare_data, spawn_pretrain
 from distlab.rank_process import usable_cpus
 
 #                name         layers hidden heads seq micro  (global batch = micro: world size 1)

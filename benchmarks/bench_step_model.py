@@ -31,7 +31,7 @@ import tempfile
 from distlab.gpt.planning.local_cluster import calibrate, measure_local, predict_run
 from distlab.gpt.planning.published import table
 from distlab.gpt.planning.step_model import StepPrediction
-from distlab.gpt.tools.local_run import spawn_pretrain
+from distlab.local_runs import spawn_pretrain
 
 MODEL = (
     "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from distlab import REPO_ROOT
-from distlab.gpt.tools.local_run import prepare_data
+from distlab.local_runs import prepare_data
 
 #        name          layers hidden heads  seq micro
 SHAPES = {"gpt2-small": (12, 768, 12, 1024, 16), "1.2b": (24, 2048, 16, 2048, 8)}

@@ -24,6 +24,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "Slurm's timers, or on a process group's timeout), not computing; ./lab test runs these beside "
         "the other tests",
     )
+    config.addinivalue_line(
+        "markers",
+        "engine_fast: a module of the GPT engine's unit tests that spawns no ranks and no run and takes "
+        "seconds (`pytest -m engine_fast`: the engine's quick check, about a minute on 2 cores)",
+    )
 
 
 def cluster_available() -> bool:
@@ -107,7 +112,7 @@ def train_plan(rank: int, plan: list, out: str) -> None:
     import json
     from pathlib import Path
 
-    from distlab.gpt.tools.local_run import pretrain_as_rank
+    from distlab.local_runs import pretrain_as_rank
 
     torch.set_num_threads(1)
     for name, world, argv, port in plan:

@@ -14,6 +14,8 @@ from distlab.gpt.planning import engine_work as work
 from distlab.gpt.planning.hardware import Hardware, Link, load
 from distlab.gpt.planning.step_model import predict_step
 
+pytestmark = pytest.mark.engine_fast
+
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --lr 1e-3"
 )

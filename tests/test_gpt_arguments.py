@@ -11,7 +11,7 @@ import torch
 from distlab import REPO_ROOT
 from distlab.gpt.arguments import parse_args, parse_split, validate_args
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(60)]
 
 
 @pytest.fixture

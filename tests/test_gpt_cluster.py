@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from distlab import jobs
-from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.training.log import ITERATION_RE
+from distlab.local_runs import prepare_data
 
 pytestmark = pytest.mark.timeout(300)
 

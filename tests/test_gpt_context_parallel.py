@@ -37,17 +37,18 @@ from distlab.gpt.distributed.gradients import reduce_gradients
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.cp_measure import saved_bytes
 from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes, stage_layers_bytes
+from distlab.gpt.memory.meters import PREDICTION
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.tools.local_run import prepare_data
+from distlab.gpt.training.log import ITERATION
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 from distlab.local_ranks import free_port, spawn_ranks
+from distlab.local_runs import prepare_data
 from distlab.logs.exercise import (
     check_long_sequence_run,
     long_sequence_budget,
     long_sequence_predictions,
     long_sequence_run,
 )
-from distlab.logs.formats import ITERATION, PREDICTION
 from tests.conftest import assert_same_training, run_gloo, train_plan
 
 pytestmark = pytest.mark.timeout(300)

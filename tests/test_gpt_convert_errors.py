@@ -18,8 +18,8 @@ from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint, llama, mixtral
 from distlab.gpt.moe.moe_layer import MoEConfig
-from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.local_runs import prepare_data
 from tests.conftest import entry_script
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -27,7 +27,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 convert_checkpoint, generate = entry_script("convert_checkpoint"), entry_script("generate")
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

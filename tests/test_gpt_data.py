@@ -14,7 +14,7 @@ from distlab.gpt.data.gpt_dataset import GPTDataset, build_datasets, split_range
 from distlab.gpt.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer, stdlib_docstrings, train_bpe
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(120)]
 CODE = REPO_ROOT / "code"
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from distlab import jobs
-from distlab.gpt.tools.local_run import prepare_data
+from distlab.local_runs import prepare_data
 from distlab.logs import megatron
 
 pytestmark = pytest.mark.timeout(420)

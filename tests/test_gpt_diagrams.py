@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from distlab import REPO_ROOT
 from distlab.gpt.tools import diagrams
+
+pytestmark = pytest.mark.engine_fast
 
 
 def test_diagrams_draw_and_are_committed(tmp_path):

@@ -23,13 +23,13 @@ from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs, parse_args, validate_args
 from distlab.gpt.arguments.to_configs import checkpoint_config, optimizer_config
 from distlab.gpt.checkpointing import checkpointing, dist_checkpointing
+from distlab.gpt.checkpointing.checkpointer import SAVED
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.tools.local_run import RunResult, prepare_data, spawn_pretrain
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
-from distlab.logs.formats import SAVED
+from distlab.local_runs import RunResult, prepare_data, spawn_pretrain
 from tests.conftest import run_gloo
 from tests.test_gpt_training import TINY
 

@@ -20,9 +20,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from distlab.gpt.checkpointing import checkpointing
-from distlab.gpt.memory.meters import MiB
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.logs.formats import MEMORY
+from distlab.gpt.memory.meters import MEMORY, MiB
+from distlab.local_runs import prepare_data, spawn_pretrain
 from tests.test_gpt_training import TINY
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.tools.local_run import prepare_data
+from distlab.local_runs import prepare_data
 from tests.conftest import TINY_GPT_ARGV, run_gloo
 
 pytestmark = pytest.mark.timeout(240)

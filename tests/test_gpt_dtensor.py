@@ -24,9 +24,9 @@ from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.native.dtensor_parallel import as_nn_linear, check_plan
 from distlab.gpt.native.plan_check import block_collectives, plan_is_right, try_mlp_plan
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+from distlab.gpt.tensor_parallel.layers import VOCAB_PADDING
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
-from distlab.logs.formats import VOCAB_PADDING
+from distlab.local_runs import prepare_data, spawn_pretrain
 from distlab.logs.megatron import parameter_counts
 from tests.conftest import run_gloo
 from tests.test_gpt_fsdp2 import train_in_group

@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 
 from distlab import REPO_ROOT
-from distlab.gpt.tools.local_run import prepare_data
 from distlab.local_ranks import free_port
+from distlab.local_runs import prepare_data
 from distlab.logs import restarts
 from tests.test_gpt_restart import WORKER, kill_workers
 

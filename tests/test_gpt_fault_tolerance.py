@@ -32,12 +32,15 @@ import pytest
 from distlab import REPO_ROOT, fault_agent, faults
 from distlab.checks import ExerciseError
 from distlab.gpt.arguments import parse_args, validate_args
+from distlab.gpt.build import BATCH
+from distlab.gpt.checkpointing.checkpointer import SAVED
 from distlab.gpt.checkpointing.checkpointing import resume_line
-from distlab.gpt.tools.local_run import prepare_data
+from distlab.gpt.pretrain import EXIT_SIGNAL, HANG
 from distlab.gpt.training.fault_handling import ExitSignal
+from distlab.gpt.training.log import ITERATION
 from distlab.local_ranks import free_port, torchrun_env
+from distlab.local_runs import prepare_data
 from distlab.logs import restarts
-from distlab.logs.formats import BATCH, EXIT_SIGNAL, HANG, ITERATION, SAVED
 from distlab.logs.megatron import banner_line
 
 pytestmark = pytest.mark.timeout(120)

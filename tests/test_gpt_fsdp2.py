@@ -21,8 +21,8 @@ import torch
 
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.logs.formats import MEMORY
+from distlab.gpt.memory.meters import MEMORY
+from distlab.local_runs import prepare_data, spawn_pretrain
 from tests.conftest import run_gloo
 from tests.test_gpt_training import TINY
 

@@ -19,8 +19,8 @@ from distlab.gpt.inference import course_checkpoint, hf_checkpoint
 from distlab.gpt.inference.generation import Sampling, generate
 from distlab.gpt.inference.llama import LLAMA
 from distlab.gpt.inference.mixtral import MIXTRAL
-from distlab.gpt.tools.local_run import spawn_pretrain
 from distlab.gpt.transformer.model import GPTModel
+from distlab.local_runs import spawn_pretrain
 from tests.conftest import entry_script
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: every model here is built locally

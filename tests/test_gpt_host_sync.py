@@ -20,8 +20,8 @@ import json
 
 import pytest
 
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.gpt.training.log import ITERATION_RE
+from distlab.local_runs import prepare_data, spawn_pretrain
 
 pytestmark = pytest.mark.timeout(240)
 TINY = [

@@ -14,7 +14,7 @@ from distlab.gpt.inference.generation import Sampling, generate, next_token
 from distlab.gpt.inference.kv_cache import KVCache
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(120)]
 CFG = GPTConfig(
     num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128, max_position_embeddings=32
 )

@@ -9,6 +9,8 @@ from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
 from distlab.gpt.model_layout import ModelShape, check_model_layout
 
+pytestmark = pytest.mark.engine_fast
+
 
 def test_megatron_rank_order_world_8() -> None:
     layout = Layout(8, tp=2, pp=2)

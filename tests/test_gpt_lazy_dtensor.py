@@ -11,6 +11,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.engine_fast
+
 PLAIN = """
 import sys, torch
 import distlab.gpt.pretrain

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
 from distlab.local_ranks import free_port, spawn_ranks
+from distlab.local_runs import prepare_data, pretrain_as_rank
 from tests.conftest import TINY_GPT_ARGV as MODEL
 from tests.conftest import assert_same_training
 

@@ -20,6 +20,8 @@ from distlab.gpt.training.log import (
     validation_lines,
 )
 
+pytestmark = pytest.mark.engine_fast
+
 # The line of the issue, which the notebooks grep (Megatron-LM's training_log).
 MEGATRON = (" iteration      100/     100 | consumed samples:          800 | elapsed time per iteration (ms): 537.3 |"
             " learning rate: 5.822E-05 | global batch size:     8 | lm loss: 7.448950E+00 | loss scale: 1.0 |"

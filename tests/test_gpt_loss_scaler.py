@@ -12,7 +12,7 @@ from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(60)]
 
 
 def test_hysteresis_then_backoff_and_growth_after_window():

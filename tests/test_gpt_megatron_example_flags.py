@@ -15,12 +15,13 @@ import torch
 from distlab import REPO_ROOT
 from distlab.gpt.arguments import build_parser, parse_args, validate_args
 from distlab.gpt.arguments.implementations import implementation_lines
+from distlab.gpt.checkpointing.checkpointer import SAVED
 from distlab.gpt.data.indexed_dataset import IndexedDataset
 from distlab.gpt.data.tokenizer import stdlib_docstrings
 from distlab.gpt.data.tokenizers import save_hf_tokenizer, train_sentencepiece
-from distlab.gpt.tools.local_run import spawn_pretrain
+from distlab.gpt.training.log import ITERATION
 from distlab.local_ranks import free_port, spawn_ranks
-from distlab.logs.formats import ITERATION, SAVED
+from distlab.local_runs import spawn_pretrain
 from tests.conftest import train_plan
 from tests.megatron_example_scripts import ARCHITECTURE_AND_MOE, SCRIPTS, argv, without
 

@@ -23,9 +23,8 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training import housekeeping
-from distlab.gpt.training.log import iteration_line
+from distlab.gpt.training.log import ITERATION, iteration_line
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
-from distlab.logs.formats import ITERATION
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)
@@ -251,7 +250,7 @@ def test_no_load_optim_and_no_load_rng(fmt, tmp_path):
 def test_exit_duration_in_mins_stops_and_saves(tmp_path):
     """--exit-duration-in-mins: every rank stops at the same iteration once the time is up, and
     the run saves there (with --save), as Megatron's training loop does."""
-    from distlab.gpt.tools.local_run import spawn_pretrain
+    from distlab.local_runs import spawn_pretrain
 
     argv = [*BASE, "--train-iters", "50", "--exit-duration-in-mins", "1e-6", "--save", str(tmp_path / "ckpt")]
     run = spawn_pretrain(argv, 2, tmp_path / "run")

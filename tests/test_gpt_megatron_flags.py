@@ -13,8 +13,8 @@ import shlex
 import pytest
 import torch
 
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.logs.formats import ITERATION
+from distlab.gpt.training.log import ITERATION
+from distlab.local_runs import prepare_data, spawn_pretrain
 
 pytestmark = pytest.mark.timeout(240)
 

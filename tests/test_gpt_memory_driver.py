@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from distlab.gpt.memory.meters import MiB, PeakMeter, cap_device_memory, out_of_memory_message
-from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank, spawn_pretrain
 from distlab.local_ranks import free_port
+from distlab.local_runs import prepare_data, pretrain_as_rank, spawn_pretrain
 from distlab.logs.memory import prediction
 
 pytestmark = pytest.mark.timeout(240)

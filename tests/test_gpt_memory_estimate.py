@@ -14,14 +14,15 @@ from distlab.gpt.memory.memory_estimate import (
     activation_bytes,
     block_bytes,
     estimate,
-    format_prediction,
     korthikanti_layer_bytes,
     stage_layers_bytes,
     stage_parameters,
 )
-from distlab.gpt.memory.meters import cpu_peak_since, reset_cpu_peak
+from distlab.gpt.memory.meters import cpu_peak_since, format_prediction, reset_cpu_peak
 from distlab.gpt.memory.parameters import num_parameters
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+
+pytestmark = pytest.mark.engine_fast
 
 SBH = 128 * 4 * 64  # s=128, b=4, h=64: 32,768 values
 FULL_1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

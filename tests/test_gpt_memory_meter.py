@@ -18,7 +18,10 @@ import pytest
 
 from distlab.gpt.memory.meters import MiB
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc: Linux")
+pytestmark = [
+    pytest.mark.engine_fast,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc: Linux"),
+]
 
 HOLE = """
 import torch

@@ -16,7 +16,7 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import micro_batches
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(120)]
 V, EOD = 50, 49
 
 

@@ -15,6 +15,8 @@ from distlab.gpt.planning import hardware, planner
 from distlab.gpt.transformer.config import GPTConfig
 from distlab.gpt.transformer.model import GPTModel
 
+pytestmark = pytest.mark.engine_fast
+
 OK = ModelShape(num_layers=4, hidden_size=48, num_attention_heads=4, seq_length=16, vocab_size=96)
 
 #: rule -> (a model, a layout that breaks it, words its message must contain)

@@ -27,11 +27,11 @@ from distlab.gpt.moe.router import load_balancing_loss, route
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.pretrain import log_moe
+from distlab.gpt.pretrain import MOE, log_moe
 from distlab.gpt.tensor_parallel.layers import shard
 from distlab.gpt.training.training import LocalBackend, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
-from distlab.logs.formats import MOE, tokens_per_expert
+from distlab.logs.experts import tokens_per_expert
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from distlab.gpt.tools.local_run import prepare_data
 from distlab.local_ranks import free_port, spawn_ranks
+from distlab.local_runs import prepare_data
 from tests.conftest import assert_same_training, train_plan
 
 pytestmark = pytest.mark.timeout(600)

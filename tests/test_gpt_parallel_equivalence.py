@@ -21,8 +21,8 @@ import torch
 
 from distlab.gpt.pipeline_parallel.plot import plot_timelines
 from distlab.gpt.pipeline_parallel.timeline import load_timeline
-from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
 from distlab.local_ranks import free_port, spawn_ranks
+from distlab.local_runs import prepare_data, pretrain_as_rank
 from tests.conftest import TINY_GPT_ARGV as MODEL
 from tests.conftest import assert_same_training
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from distlab.gpt.memory.meters import format_memory, memory_report, memory_stats
+
+pytestmark = pytest.mark.engine_fast
 
 
 def test_memory_stats_after_one_adam_step() -> None:

@@ -12,8 +12,8 @@ import pytest
 from distlab import jobs
 from distlab.gpt.pipeline_parallel.plot import plot_timelines
 from distlab.gpt.pipeline_parallel.timeline import load_timeline
-from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.training.log import ITERATION_RE
+from distlab.local_runs import prepare_data
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,6 +10,8 @@ import pytest
 from distlab.gpt.pipeline_parallel import schedules as pipeline_parallel
 from distlab.gpt.pipeline_parallel.timeline import theoretical_bubble
 
+pytestmark = pytest.mark.engine_fast
+
 
 def stage_order(schedule: str, p: int, m: int, s: int) -> list[tuple[str, int]]:
     """The passes of stage s in the order the engine's schedule runs them."""

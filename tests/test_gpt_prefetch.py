@@ -6,14 +6,17 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from distlab.gpt.data.gpt_dataset import build_datasets
 from distlab.gpt.data.prefetch import Prefetcher
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.training.training import micro_batches
+from distlab.local_runs import prepare_data
+
+pytestmark = pytest.mark.engine_fast
 
 
 def test_prefetched_batches_are_the_loops_and_read_off_its_thread(tmp_path) -> None:

@@ -31,7 +31,7 @@ import pytest
 import torch.distributed as dist
 
 from distlab import REPO_ROOT
-from distlab.gpt.tools.local_run import prepare_data
+from distlab.local_runs import prepare_data
 from distlab.torchrun_store import agent_store_namespace
 
 pytestmark = pytest.mark.timeout(90)

@@ -17,9 +17,9 @@ import sys
 import pytest
 
 from distlab import REPO_ROOT
-from distlab.gpt.tools.local_run import prepare_data
+from distlab.gpt.training.straggler import STRAGGLER, STRAGGLER_RANKS
 from distlab.local_ranks import free_port, torchrun_env
-from distlab.logs.formats import STRAGGLER, STRAGGLER_RANKS
+from distlab.local_runs import prepare_data
 
 pytestmark = pytest.mark.timeout(120)
 

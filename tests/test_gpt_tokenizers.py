@@ -21,7 +21,7 @@ from distlab.gpt.data.tokenizers import (
     train_sentencepiece,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(120)]
 TEXT = "Return the sum of x and  y.\n\tSee also: math.fsum(12345) -- ü € 😀"
 
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.logs.formats import COMPILE
+from distlab.gpt.native.torch_compile import COMPILE
+from distlab.local_runs import prepare_data, spawn_pretrain
 from tests.test_gpt_training import TINY
 
 pytestmark = pytest.mark.timeout(240)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from distlab import REPO_ROOT
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.gpt.training.log import ITERATION_RE
 from distlab.local_ranks import free_port
+from distlab.local_runs import prepare_data, spawn_pretrain
 
 pytestmark = pytest.mark.timeout(180)
 TINY = [

@@ -1,4 +1,5 @@
-"""The package's imports form a tree: no module of ``distlab`` imports itself back, however far.
+"""The package's imports form a tree: no module of ``distlab`` imports itself back, however far,
+and no subpackage of it (``distlab.gpt``, ``distlab.logs``, ...) imports another that imports it back.
 
 Every import statement counts, at module level or inside a function (a cycle through a lazy
 import is still a cycle of responsibilities), except those under ``if TYPE_CHECKING:``, which
@@ -14,7 +15,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import distlab
+
+pytestmark = pytest.mark.engine_fast
 
 PACKAGE = Path(distlab.__file__).parent
 
@@ -112,6 +117,55 @@ def test_the_cycle_finder_names_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# --- distlab's subpackages ----------------------------------------------------------------------
+
+#: distlab's subpackages (gpt, logs, comm, cluster, profiling, cifar, ...), each a node of the
+#: package-level graph; distlab's root modules (launch helpers, checks) are no node.
+SUBPACKAGES = frozenset(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+
+
+def package_graph(graph: dict[str, set[str]], subpackages: frozenset[str]) -> dict[str, set[str]]:
+    """The module graph collapsed to ``distlab.<subpackage>`` nodes: an edge wherever a module of
+    one subpackage imports a module of another; modules outside every subpackage left out."""
+
+    def node(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in subpackages else None
+
+    packages: dict[str, set[str]] = {f"distlab.{name}": set() for name in subpackages}
+    for module, imported in graph.items():
+        here = node(module)
+        if here is not None:
+            packages[here] |= {there for m in imported if (there := node(m)) not in (None, here)}
+    return packages
+
+
+def test_distlab_subpackages_import_each_other_without_a_cycle() -> None:
+    """The engine prints, the readers read: ``distlab.logs`` imports ``distlab.gpt`` (the log
+    lines live with their printers), never the reverse; no two subpackages import each other."""
+    packages = package_graph(import_graph(), SUBPACKAGES)
+    assert {"distlab.gpt", "distlab.logs", "distlab.comm"} <= packages.keys()
+    assert "distlab.gpt" in packages["distlab.logs"]  # the walk sees the readers' imports
+    cycle = find_cycle(packages)
+    assert cycle is None, "import cycle between subpackages: " + " -> ".join(cycle)
+
+
+def test_the_package_graph_names_a_cycle_between_subpackages() -> None:
+    graph = {
+        "distlab.logs.megatron": {"distlab.gpt.build", "distlab.checks"},
+        "distlab.gpt.build": {"distlab.gpt.layout", "distlab.log_line"},
+        "distlab.gpt.layout": {"distlab.logs.formats"},  # the injected cycle: gpt -> logs -> gpt
+        "distlab.logs.formats": set(),
+        "distlab.checks": {"distlab.logs.megatron"},  # through a root module: not a package's edge
+        "distlab.log_line": set(),
+    }
+    packages = package_graph(graph, frozenset({"gpt", "logs"}))
+    assert packages == {"distlab.gpt": {"distlab.logs"}, "distlab.logs": {"distlab.gpt"}}
+    assert find_cycle(packages) == ["distlab.gpt", "distlab.logs", "distlab.gpt"]
+    del graph["distlab.gpt.layout"]
+    assert find_cycle(package_graph(graph, frozenset({"gpt", "logs"}))) is None
 
 
 # --- the GPT engine's layers --------------------------------------------------------------------

@@ -15,11 +15,13 @@ import torch
 from distlab.checks import ExerciseError
 from distlab.gpt.arguments import parse_args
 from distlab.gpt.arguments.to_configs import model_config
+from distlab.gpt.build import PARAMETERS
 from distlab.gpt.layout import Layout
+from distlab.gpt.memory.meters import PREDICTION
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.training.log import ITERATION
 from distlab.gpt.transformer.model import GPTModel
 from distlab.logs.exercise import check_state_layout_run, state_layout_predictions
-from distlab.logs.formats import ITERATION, PARAMETERS, PREDICTION
 
 #: The notebook's EX_ARGS.
 EX_ARGS = (

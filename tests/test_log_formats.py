@@ -9,23 +9,16 @@ import sys
 
 import pytest
 
-from distlab.gpt.memory.memory_estimate import format_prediction
-from distlab.gpt.memory.meters import format_memory
-from distlab.gpt.training.log import iteration_line, validation_lines
-from distlab.logs.formats import (
-    BANNER,
-    BATCH,
-    DEEPSPEED,
-    ITERATION,
-    MEMORY,
-    MOE,
-    PARAMETERS,
-    PREDICTION,
-    RANK_COORDS,
-    VALIDATION,
-    VOCAB_PADDING,
-    LogLine,
-)
+from distlab.gpt.build import BATCH, PARAMETERS
+from distlab.gpt.deepspeed.config import DEEPSPEED
+from distlab.gpt.memory.meters import MEMORY, PREDICTION, RANK_COORDS, format_memory, format_prediction
+from distlab.gpt.parallel_state import BANNER
+from distlab.gpt.pretrain import MOE
+from distlab.gpt.tensor_parallel.layers import VOCAB_PADDING
+from distlab.gpt.training.log import ITERATION, VALIDATION, iteration_line, validation_lines
+from distlab.log_line import LogLine
+
+pytestmark = pytest.mark.engine_fast
 
 # Lines as the engine printed them before the formats moved into one module (its f-strings).
 ITERATION_TEXT = (
@@ -210,6 +203,6 @@ def test_format_refuses_unknown_fields_and_templates_it_cannot_read_back():
         LogLine("share {x:.1%}")
 
 
-def test_formats_import_without_torch():
-    code = "import sys, distlab.logs.formats; assert 'torch' not in sys.modules"
+def test_log_lines_import_without_torch():
+    code = "import sys, distlab.log_line; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

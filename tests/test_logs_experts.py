@@ -9,8 +9,8 @@ matplotlib.use("Agg")
 import numpy as np
 import pytest
 
+from distlab.gpt.pretrain import MOE
 from distlab.logs.experts import expert_load, imbalance, plot_tokens_per_expert
-from distlab.logs.formats import MOE
 
 
 def _log(counts: list[list[int]], aux: list[float]) -> str:

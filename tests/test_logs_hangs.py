@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from distlab.checks import FIXME, ExerciseError
+from distlab.gpt.pretrain import HANG
+from distlab.gpt.training.straggler import STRAGGLER, STRAGGLER_RANKS
 from distlab.logs import hangs
-from distlab.logs.formats import HANG, STRAGGLER, STRAGGLER_RANKS
 
 
 def straggler_log(slow: int) -> str:

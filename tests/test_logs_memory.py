@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from distlab import REPO_ROOT
-from distlab.gpt.memory.memory_estimate import format_prediction
+from distlab.gpt.memory.meters import format_prediction
 from distlab.logs import memory
 from distlab.logs.plots import memory_and_time
 

@@ -20,8 +20,8 @@ from distlab.gpt.planning import planner
 from distlab.gpt.planning.dry_run import GiB, dry_run
 from distlab.gpt.planning.hardware import Hardware, Link, load
 from distlab.gpt.planning.local_cluster import calibrate, predict_run
+from distlab.gpt.training.log import ITERATION
 from distlab.logs import planning
-from distlab.logs.formats import ITERATION
 from distlab.logs.megatron import banner_line
 from tests.conftest import TINY_GPT_ARGV
 

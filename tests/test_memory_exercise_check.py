@@ -11,8 +11,9 @@ import pytest
 
 from distlab import REPO_ROOT
 from distlab.checks import ExerciseError
+from distlab.gpt.build import BATCH
+from distlab.gpt.memory.meters import PREDICTION
 from distlab.logs import memory
-from distlab.logs.formats import BATCH, PREDICTION
 from tests.test_notebook_checks import run_cell
 
 TARGET = 80  # the local cluster: plain fp32 fitted up to 64 in 1300 MiB; a quarter above

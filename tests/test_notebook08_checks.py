@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from distlab import REPO_ROOT
+from distlab.gpt.checkpointing.checkpointer import SAVED
+from distlab.gpt.native.torch_compile import COMPILE
 from distlab.gpt.training.log import iteration_line
 from distlab.logs import megatron, placement
-from distlab.logs.formats import COMPILE, SAVED
 
 matplotlib.use("Agg")
 CELLS = [
@@ -105,7 +106,10 @@ def _saved(mode: str | None, blocking: float, total: float) -> str:
 
 def _run_save(sync_ms: float, async_ms: float) -> None:
     runs = {"A": _saved(None, sync_ms, sync_ms), "B": _saved("async", async_ms, 3 * sync_ms)}
-    exec(_cell("from distlab.logs.formats import SAVED"), {"runs": runs, "np": np, "plt": matplotlib.pyplot})
+    exec(
+        _cell("from distlab.gpt.checkpointing.checkpointer import SAVED"),
+        {"runs": runs, "np": np, "plt": matplotlib.pyplot},
+    )
 
 
 def test_the_async_save_must_block_less_than_the_sync_one():
@@ -124,7 +128,7 @@ def _compile_log(eager: list[float], compiled: list[float]) -> str:
 
 def _run_compile(eager: list[float], compiled: list[float]) -> None:
     job = _Job(_compile_log(eager, compiled))
-    exec(_cell("from distlab.logs.formats import COMPILE"),
+    exec(_cell("from distlab.gpt.native.torch_compile import COMPILE"),
          {"compiled_job": job, "megatron": megatron, "np": np, "plt": matplotlib.pyplot, "PROCS": 2, "BACKEND": "gloo"})  # fmt: skip
 
 

@@ -20,8 +20,10 @@ from torch.utils.data import DistributedSampler
 from distlab import REPO_ROOT, topology
 from distlab.checks import FIXME, ExerciseError, check, script_untouched
 from distlab.comm import collectives
+from distlab.gpt.build import PARAMETERS
+from distlab.gpt.pretrain import MOE
+from distlab.gpt.training.log import ITERATION
 from distlab.logs import experts, nccl
-from distlab.logs.formats import ITERATION, MOE, PARAMETERS
 
 WORLD = 4  # the local cluster's two-node jobs: 2 nodes x 2 processes
 CHUNKS = [len(c) for c in torch.tensor_split(torch.arange(1001), WORLD)]
@@ -250,7 +252,7 @@ def pipelined_runs(tmp_path_factory) -> dict[int, tuple[str, object]]:
     """Real PP = 2 (1F1B) runs of notebook 05's layers with m = 1 and m = 8 micro-batches of 8
     sequences of 128 per step (passes long enough next to a gloo send's latency on a loaded
     machine): {m: (log text, timeline path)}."""
-    from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
+    from distlab.local_runs import prepare_data, spawn_pretrain
 
     root = tmp_path_factory.mktemp("pipelined")
     data = prepare_data(root / "data", vocab_size=512, max_files=80).argv()

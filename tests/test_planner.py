@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from distlab.gpt.arguments import parse_args
 from distlab.gpt.layout import Layout
 from distlab.gpt.planning.dry_run import GiB
 from distlab.gpt.planning.hardware import load
 from distlab.gpt.planning.planner import candidate_layouts, evaluate, plan, report
+
+pytestmark = pytest.mark.engine_fast
 
 GPT_13B = (
     "--num-layers 40 --hidden-size 5120 --num-attention-heads 40 --seq-length 2048 --micro-batch-size 1 "

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
 from distlab.gpt.training.log import ProfilerConfig, StepProfiler
+from distlab.local_runs import prepare_data, spawn_pretrain
 from distlab.profiling.plots import plot_breakdown, plot_memory, plot_top_operators
 from distlab.profiling.traces import GROUPS, find_traces, load_run
 from tests.test_gpt_training import TINY

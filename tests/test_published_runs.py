@@ -13,6 +13,8 @@ import pytest
 
 from distlab.gpt.planning.published import RUNS, table
 
+pytestmark = pytest.mark.engine_fast
+
 CHECKED = [run for run in RUNS if not run.name.startswith("torchtitan")]
 
 

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-#: The last iteration line of a log (``distlab.logs.formats.ITERATION``'s start).
+#: The last iteration line of a log (``distlab.gpt.training.log.ITERATION``'s start).
 _ITERATION = re.compile(r"^ iteration\s+(\d+)/", re.M)
 SCRIPT = "pretrain_gpt.py"
 

@@ -81,8 +81,11 @@ never up (``tests/test_imports.py`` checks it)::
     inference/         kv_cache, generation (greedy, top-k, top-p), course_checkpoint (any layout
                        read whole; release written), hf_checkpoint and a module per family (gpt2):
                        transformers' folders ~ inference/, Megatron-LM's tools/checkpoint/
-    tools/             local_run (spawned runs for tests and notebooks), diagrams (images/gpt/)
+    tools/             diagrams (images/gpt/), architecture_steps (notebook 11), launch_script
+                       (a launch script's flags)
                        ~ Megatron-LM's tools/
 
-Every printed line is defined in ``distlab.logs.formats``.
+Every line the notebooks read back is a :class:`~distlab.log_line.LogLine` defined in the module that
+prints it (``parallel_state.BANNER``, ``training/log.ITERATION``, ...); ``distlab.logs`` imports them
+from there, never the other way.
 """

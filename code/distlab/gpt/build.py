@@ -79,8 +79,18 @@ from distlab.gpt.training.fault_handling import startup_timeout_s
 from distlab.gpt.training.flops import flops_line, model_flops_per_iteration
 from distlab.gpt.training.training import LocalBackend, forward_backward, micro_batches, train_step
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
-from distlab.logs.formats import BATCH, PARAMETERS
+from distlab.log_line import LogLine
 from distlab.rank_process import cap_cpu_threads, network_settings, print_on
+
+#: Start-up lines of rank 0: the batch arithmetic, then each (tp, pp) rank's parameter count.
+BATCH = LogLine(
+    "> global batch size {global_batch:d} = micro batch {micro_batch:d} x data-parallel {dp:d} "
+    "x accumulation steps {accumulation:d}"
+)
+PARAMETERS = LogLine(
+    " > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank:d}, {pp_rank:d}): "
+    "{parameters:d}"
+)
 
 
 @dataclass

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field, fields
 import torch.distributed as dist
 
 from distlab.gpt.layout import ORDER, Layout
-from distlab.logs.formats import BANNER
+from distlab.log_line import LogLine
+
+#: Megatron's start-up line (:meth:`ParallelState.banner`), which the notebooks grep.
+BANNER = LogLine(
+    "using world size: {world_size:d}, data-parallel-size: {dp:d}, "
+    "tensor-model-parallel size: {tp:d}, pipeline-model-parallel size: {pp:d}"
+)
 
 
 @dataclass

@@ -31,8 +31,8 @@ from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.data.gpt_dataset import GPTDataset
 from distlab.gpt.data.prefetch import Prefetcher
 from distlab.gpt.interfaces import StepResult
-from distlab.gpt.memory.memory_estimate import MemorySetup, estimate, format_prediction
-from distlab.gpt.memory.meters import memory_report, out_of_memory_message
+from distlab.gpt.memory.memory_estimate import MemorySetup, estimate
+from distlab.gpt.memory.meters import format_prediction, memory_report, out_of_memory_message
 from distlab.gpt.moe.moe_layer import take_stats
 from distlab.gpt.native import torch_compile
 from distlab.gpt.pipeline_parallel.p2p_communication import PipelineTransferError
@@ -48,8 +48,26 @@ from distlab.gpt.training.fault_handling import (
 )
 from distlab.gpt.training.straggler import StragglerDetector
 from distlab.gpt.training.training import evaluate
-from distlab.logs.formats import EXIT_SIGNAL, HANG, HANG_DUMPS, MOE
+from distlab.log_line import LogLine
 from distlab.rank_process import print_on
+
+#: After the save on --exit-signal, rank 0: ``exiting program after receiving SIGUSR1 at iteration 7``.
+EXIT_SIGNAL = LogLine("exiting program after receiving {signal} at iteration {iteration:d}")
+#: Every surviving rank, after a collective timed out: ``> hang: a collective of iteration 8 waited
+#: 6.0 s ...``; the ranks are those that wrote no flight record (``distlab.flight_recorder``).
+HANG = LogLine(
+    "> hang: a collective of iteration {iteration:d} waited {timeout_s:.1f} s "
+    "(--distributed-timeout-minutes); no answer from ranks [{ranks}]"
+)
+#: After HANG's line and the report's: where the dumps are, and PyTorch's analyzer on them.
+HANG_DUMPS = LogLine("> hang: flight records for PyTorch's analyzer (torchfrtrace FOLDER) in {folder}")
+#: One MoE layer's routing in a logged iteration (all micro-batches and data-parallel ranks):
+#: Megatron's load_balancing_loss (E sum_i f_i P_i, without its coefficient; 1 when balanced),
+#: the (token, expert) pairs over capacity, and ``counts``: tokens per expert, space-separated.
+MOE = LogLine(
+    " [moe] iteration {it:d} | layer {layer:d} | load_balancing_loss: {aux:.6f} |"
+    " dropped tokens: {dropped:d} | tokens per expert: {counts} |"
+)
 
 
 class OutOfMemory(RuntimeError):
@@ -160,7 +178,7 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
 def report_hang(run: Run, hosts: list[dict], exc: RuntimeError) -> None:
     """After a collective timed out, on every rank that is still running: dump this rank's flight
     record, wait up to ``HANG_GRACE_S`` for the other ranks' dumps, then print which ranks wrote
-    none (``logs.formats.HANG``), the collective they did not join and every rank's last one."""
+    none (:data:`HANG`), the collective they did not join and every rank's last one."""
     prefix, world = flight_recorder.dump_prefix(), run.state.layout.world_size
     waiting = flight_recorder.waiting_in(exc)  # gloo's record may lack it
     if isinstance(exc, PipelineTransferError):  # point-to-point: not in gloo's record at all
@@ -287,7 +305,7 @@ def save(run: Run) -> None:
         Snapshot(run.model, run.optimizer, scaler_state, run.iteration, run.consumed)
     )
     run.saved_at = run.iteration
-    # formats.SAVED, with blocking and total time (none while --async-save writes)
+    # checkpointer.SAVED, with blocking and total time (none while --async-save writes)
     print_on(run.rank0, *lines)
 
 

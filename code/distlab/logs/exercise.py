@@ -17,8 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlab.checks import FIXME, check
+from distlab.gpt.context_parallel.ring_attention import CONTEXT_PARALLEL
 from distlab.gpt.pipeline_parallel.timeline import load_timeline, theoretical_bubble
-from distlab.logs.formats import CONTEXT_PARALLEL, ITERATION
+from distlab.gpt.training.log import ITERATION
 from distlab.logs.megatron import (
     banner_line,
     batch_arithmetic,

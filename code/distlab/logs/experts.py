@@ -1,6 +1,6 @@
 """Tokens per expert from a MoE run's log, and the plot of them per step (notebook 09).
 
-Each logged iteration prints one ``[moe]`` line per MoE layer (``distlab.logs.formats.MOE``):
+Each logged iteration prints one ``[moe]`` line per MoE layer (``distlab.gpt.pretrain.MOE``):
 the tokens routed to each expert over all micro-batches and data-parallel ranks. For one layer,
 with c_i the tokens of expert i at a step::
 
@@ -21,13 +21,18 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from distlab.checks import FIXME, check
-from distlab.logs.formats import tokens_per_expert
+from distlab.gpt.pretrain import MOE
 from distlab.logs.megatron import layout_and_completion, parameter_counts
 
 BUDGET_HINT = (
     "parameters per rank = the dense part (embeddings, attention, norms, routers) + (E / ep) x one "
     "expert's; ep divides the data-parallel size; read the '> MoE:' and 'number of parameters' lines"
 )
+
+
+def tokens_per_expert(text: str) -> list[dict]:
+    """Every :data:`~distlab.gpt.pretrain.MOE` line of a log, with ``counts`` as a list of ints."""
+    return [{**f, "counts": [int(c) for c in f["counts"].split()]} for f in MOE.parse(text)]
 
 
 def expert_load(text: str, layer: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

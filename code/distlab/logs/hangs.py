@@ -22,7 +22,8 @@ import re
 from pathlib import Path
 
 from distlab.checks import FIXME, check
-from distlab.logs.formats import HANG, STRAGGLER
+from distlab.gpt.pretrain import HANG
+from distlab.gpt.training.straggler import STRAGGLER
 
 _PAIR = re.compile(r"([-+0-9.E]+)/(\d+),")
 _DID_NOT_JOIN = re.compile(r"> hang: ranks \[([\d, ]+)\] did not join (.+?): rank")

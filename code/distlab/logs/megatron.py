@@ -1,6 +1,6 @@
 """Megatron-format logs of ``pretrain_gpt.py`` runs, parsed into numbers.
 
-What a log holds and the function that reads it (each line defined in ``distlab.logs.formats``)::
+What a log holds and the function that reads it (each line defined beside its printer, see ``distlab.logs``)::
 
     using world size: W, data-parallel-size: DP, tensor-model-parallel size: TP, ...   parse_banner
     > global batch size B = micro batch b x data-parallel DP x accumulation steps m       batch_arithmetic
@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distlab.gpt.build import BATCH, PARAMETERS
 from distlab.gpt.layout import Layout
-from distlab.gpt.parallel_state import ParallelState
-from distlab.logs.formats import BANNER, BATCH, ITERATION, MEMORY, PARAMETERS, RANK_COORDS
+from distlab.gpt.memory.meters import MEMORY, RANK_COORDS
+from distlab.gpt.parallel_state import BANNER, ParallelState
+from distlab.gpt.training.log import ITERATION
 
 #: Reference (a well-known course): 12 layers, hidden 768, 32 heads, seq 1024, V100 16 GB, 100 iterations.
 #: label -> (devices, global batch, ms per iteration)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import statistics
 
-from distlab.logs.formats import PREDICTION
+from distlab.gpt.memory.meters import PREDICTION
 from distlab.logs.megatron import batch_arithmetic, iterations, memory_rows
 
 JOB_PEAK_RE = re.compile(r"job \d+: peak (?P<peak>\d+) MiB of its (?P<limit>\d+) MiB limit")

@@ -27,16 +27,16 @@ import statistics
 from distlab.checks import FIXME, check, untouched
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.arguments.validation import engine_layout
-from distlab.gpt.planning.dry_run import GiB
-from distlab.gpt.planning.hardware import Hardware
-from distlab.gpt.planning.planner import Candidate, evaluate, sized
-from distlab.logs.formats import (
+from distlab.gpt.planning.dry_run import (
     DRY_RUN,
     DRY_RUN_ACTIVATIONS,
     DRY_RUN_COLLECTIVE,
     DRY_RUN_PARAMETERS,
     DRY_RUN_STATES,
+    GiB,
 )
+from distlab.gpt.planning.hardware import Hardware
+from distlab.gpt.planning.planner import Candidate, evaluate, sized
 from distlab.logs.megatron import iterations, split_runs
 
 _LABEL = re.compile(r"^\s*(\d+): ", re.M)

@@ -14,7 +14,7 @@ attempt says about where it started (``distlab.gpt.checkpointing.checkpointing.r
 its layout (``using world size: W, data-parallel-size: DP, ...`` and ``> global batch size B = micro
 batch b x data-parallel DP x accumulation steps m``: an elastic restart on fewer nodes changes W,
 DP and m, never B), and about its end: ``exiting program after receiving SIGUSR1 at iteration 68``
-(``distlab.logs.formats.EXIT_SIGNAL``). Saves: ``distlab.logs.formats.SAVED``.
+(``distlab.gpt.pretrain.EXIT_SIGNAL``). Saves: ``distlab.gpt.checkpointing.checkpointer.SAVED``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ import re
 from dataclasses import dataclass, field
 
 from distlab.checks import FIXME, check
-from distlab.logs.formats import BANNER, BATCH, EXIT_SIGNAL, HANG, ITERATION, SAVED
+from distlab.gpt.build import BATCH
+from distlab.gpt.checkpointing.checkpointer import SAVED
+from distlab.gpt.parallel_state import BANNER
+from distlab.gpt.pretrain import EXIT_SIGNAL, HANG
+from distlab.gpt.training.log import ITERATION
 from distlab.logs.megatron import split_runs
 
 #: Where an attempt started: group "restart" (torchrun's count) and "iteration" (None: from scratch).

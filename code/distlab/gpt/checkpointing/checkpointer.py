@@ -26,7 +26,14 @@ from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.parallel_state import ParallelState
-from distlab.logs.formats import SAVED
+from distlab.log_line import LogLine, Opt
+
+#: The save line of either format; ``blocking_ms == total_ms`` unless ``mode`` is "async".
+SAVED = LogLine(
+    "  successfully saved checkpoint at iteration {iteration:7d} to {folder} in {format} format",
+    Opt(" ({mode})"),
+    " | blocking {blocking_ms:.1f} ms | total {total_ms:.1f} ms",
+)
 
 
 def _dcp():

@@ -42,7 +42,13 @@ import torch.distributed as dist
 
 from distlab.gpt.model_layout import context_chunks_error
 from distlab.gpt.parallel_state import ParallelState
-from distlab.logs.formats import CONTEXT_PARALLEL
+from distlab.log_line import LogLine
+
+#: The start-up line of a context-parallel run (``context_parallel.describe``), after the banner.
+CONTEXT_PARALLEL = LogLine(
+    "> context parallelism: {cp:d} ranks, sequence {seq_length:d} in {chunks:d} chunks of {chunk:d} tokens "
+    "({how}), {per_rank:d} tokens per rank, ring attention"
+)
 
 _KV, _DKV = 0, 1  # message tags: a K/V block, a dK/dV accumulator
 
@@ -215,7 +221,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
 
 
 def describe(seq_length: int, ring: Ring) -> str:
-    """The start-up line of a context-parallel run (``distlab.logs.formats.CONTEXT_PARALLEL``)."""
+    """The start-up line of a context-parallel run (:data:`CONTEXT_PARALLEL`)."""
     how = "load-balanced: rank i holds chunks i and 2cp-1-i" if ring.balanced else "contiguous"
     return CONTEXT_PARALLEL.format(
         cp=ring.size,

@@ -18,7 +18,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from distlab.logs.formats import DEEPSPEED
+from distlab.log_line import LogLine, Opt
+
+#: ``offload``: "optimizer", "param" or "optimizer and param".
+DEEPSPEED = LogLine(
+    "> deepspeed: ZeRO stage {stage:d}",
+    Opt(", offload {offload} to cpu"),
+    " | train_batch_size {train_batch_size:d} = micro {micro_batch:d} x accumulation {accumulation:d} "
+    "x world size",
+)
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 

@@ -146,7 +146,6 @@ from distlab.gpt.memory.parameters import block_parameters, layer_parameters, st
 from distlab.gpt.memory.setup import HALF as _HALF
 from distlab.gpt.memory.setup import MemorySetup
 from distlab.gpt.transformer.recompute import EXPLICIT_BACKENDS, checkpoint_groups
-from distlab.logs.formats import PREDICTION
 
 MiB = 2**20
 
@@ -441,10 +440,3 @@ def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
     return MemoryEstimate(
         n * (2 if half else 4), n * g_bytes, sharded, 0.0, activation_bytes(c), _with_gradients(c, g_bytes)
     )
-
-
-def format_prediction(predicted: float, measured: float, how: str) -> str:
-    """The line printed after the first iteration: predicted vs measured bytes, in MiB
-    (``distlab.logs.formats.PREDICTION``)."""
-    error = 100.0 * (measured - predicted) / predicted
-    return PREDICTION.format(predicted=predicted / MiB, measured=measured / MiB, how=how, error=error)

@@ -53,7 +53,21 @@ from torch import nn
 
 from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.optimizer.optimizer import is_dtensor
-from distlab.logs.formats import MEMORY, RANK_COORDS
+from distlab.log_line import LogLine, Opt
+
+#: A rank's coordinates, the ``coords`` of its MEMORY line ("" when there is no layout).
+RANK_COORDS = LogLine(" tp {tp:d} pp {pp:d} dp {dp:d}")
+#: One rank's memory report, in MiB; ``peak_kind``: "peak RSS" (CPU) or "CUDA max allocated".
+MEMORY = LogLine(
+    "[rank {rank:d}{coords}] memory (MiB): parameters {params_mib:.2f} ({values:,d} values) | "
+    "gradients {grads_mib:.2f} | optimizer state {optim_mib:.2f} | {peak_kind} {peak_mib:.1f}"
+)
+#: Predicted and measured peak above ``baseline`` (MiB), ``error`` = 100 (measured - predicted) / predicted.
+PREDICTION = LogLine(
+    "> memory: predicted peak {predicted:.1f} MiB | measured {measured:.1f} MiB ({how}",
+    Opt(" above the {baseline:.0f} MiB before the model"),
+    ") | error {error:+.1f}%",
+)
 
 MiB = 2**20
 GiB = 2**30
@@ -105,7 +119,7 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None, devi
 
 
 def format_memory(rank: int, stats: dict, coords: str = "") -> str:
-    """One line per rank, in MiB: ``distlab.logs.formats.MEMORY`` (``coords``: ``RANK_COORDS``'s text, or "")."""
+    """One line per rank, in MiB: :data:`MEMORY` (``coords``: :data:`RANK_COORDS`'s text, or "")."""
     return MEMORY.format(
         rank=rank,
         coords=coords,
@@ -116,6 +130,13 @@ def format_memory(rank: int, stats: dict, coords: str = "") -> str:
         peak_kind=stats["peak_kind"],
         peak_mib=stats["peak"] / MiB,
     )
+
+
+def format_prediction(predicted: float, measured: float, how: str) -> str:
+    """The line printed after the first iteration: ``memory_estimate``'s predicted peak against
+    :class:`PeakMeter`'s measured one, bytes shown in MiB (:data:`PREDICTION`)."""
+    error = 100.0 * (measured - predicted) / predicted
+    return PREDICTION.format(predicted=predicted / MiB, measured=measured / MiB, how=how, error=error)
 
 
 def memory_report(

@@ -22,7 +22,14 @@ import statistics
 
 from torch import nn
 
-from distlab.logs.formats import COMPILE
+from distlab.log_line import LogLine
+
+#: The end of a --torch-compile run (``torch_compile.timing_line``): the first iteration's time
+#: (it compiles) and the median of the others, from the iteration lines' elapsed times.
+COMPILE = LogLine(
+    "> torch.compile: first iteration {first_ms:.1f} ms (tracing and code generation included) | "
+    "steady state {steady_ms:.1f} ms per iteration (median of the {n:d} after it)"
+)
 
 
 def compile_blocks(layers: nn.ModuleDict) -> str:

@@ -55,12 +55,23 @@ from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.planning.collectives import Collective, record_collectives, summarize
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.training.training import LocalBackend, forward_backward
-from distlab.logs.formats import (
-    DRY_RUN,
-    DRY_RUN_ACTIVATIONS,
-    DRY_RUN_COLLECTIVE,
-    DRY_RUN_PARAMETERS,
-    DRY_RUN_STATES,
+from distlab.log_line import LogLine
+
+#: The lines of :meth:`DryRun.report`, per rank, which ``distlab.logs.planning`` reads back.
+DRY_RUN = LogLine("> dry run: rank {rank:d} of {world_size:d} (fake process group, model on the meta device)")
+DRY_RUN_PARAMETERS = LogLine("> parameters on this rank: {parameters:,d} ({precision})")
+#: The model states and the predicted peak of the rank, GiB; ``how``: "without" or "with".
+DRY_RUN_STATES = LogLine(
+    ">   {params_gib:10.2f} {grads_gib:10.2f} {optim_gib:10.2f} {total_gib:7.2f} {peak_gib:8.2f}"
+    "   {how} distributed optimizer"
+)
+DRY_RUN_ACTIVATIONS = LogLine(
+    "> activations (estimator, {micro_batches:d} micro-batches): {activations_gib:.2f} GiB"
+)
+#: One kind of call of one step: ``count`` calls of ``op`` over ``group`` (``size`` ranks), GiB each
+#: (the whole buffer, nccl-tests' size) and in all.
+DRY_RUN_COLLECTIVE = LogLine(
+    ">   collective  {group} {size:4d}  {op} {gib_per_call:12.6f} {count:7d} {gib:12.4f}"
 )
 
 GiB = 2**30
@@ -120,7 +131,7 @@ class DryRun:
 
     def report(self) -> list[str]:
         """The lines ``pretrain_gpt.py --dry-run-world-size`` prints, memory in GiB
-        (``distlab.logs.formats.DRY_RUN*``, which the notebooks' readers parse back)."""
+        (:data:`DRY_RUN` and the ``DRY_RUN_*`` lines, which the notebooks' readers parse back)."""
         c, lay = self.coordinates, self.layout
         lines = [
             DRY_RUN.format(rank=self.rank, world_size=lay.world_size),

@@ -42,7 +42,12 @@ from distlab.gpt.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
-from distlab.logs.formats import VOCAB_PADDING
+from distlab.log_line import LogLine
+
+#: The start-up line of the vocabulary's padding (:func:`vocab_padding_message`, Megatron's wording).
+VOCAB_PADDING = LogLine(
+    "> padded vocab (size: {vocab_size:d}) with {dummy:d} dummy tokens (new size: {padded:d})"
+)
 
 
 def shard(full: torch.Tensor, dim: int, p: int, r: int, stride: int = 1) -> torch.Tensor:

@@ -5,7 +5,7 @@
     handler = ExitSignal("SIGUSR1").install()  # from now on the signal only sets a flag
     ...                                         # end of every iteration, on every rank:
     MAX all-reduce of handler.received          # (pretrain.stop_requested) one rank's signal stops all
-    save, then logs.formats.EXIT_SIGNAL's line; exit 0
+    save, then pretrain.EXIT_SIGNAL's line; exit 0
     handler.release()                           # the previous handler is back
 
 Why a flag and an agreement instead of exiting in the handler: the signal reaches the ranks at
@@ -26,7 +26,7 @@ collective until ``--distributed-timeout-minutes``, then gloo raises "Timed out 
 recv operation to complete", without saying for whom. Every rank that got that error then dumps its
 flight record (``distlab.flight_recorder``: the last collectives it entered, with group, sequence
 number and sizes) beside the others', waits up to ``HANG_GRACE_S`` for the other ranks' dumps and
-prints ``logs.formats.HANG``: the ranks that wrote none, the collective they did not join, on which
+prints ``pretrain.HANG``: the ranks that wrote none, the collective they did not join, on which
 node. No rank is special: a frozen rank 0 is named as any other (``dist.monitored_barrier``, which
 rank 0 runs, cannot). On GPUs NCCL's watchdog aborts a collective past the timeout
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and writes the same dumps itself

@@ -22,7 +22,21 @@ import torch
 
 from distlab.gpt.interfaces import DeviceScalar
 from distlab.gpt.training.flops import device_peak_tflops
-from distlab.logs.formats import ITERATION, VALIDATION
+from distlab.log_line import LogLine, Opt
+
+#: Megatron's training line (averages over the log interval), then this engine's throughput.
+ITERATION = LogLine(
+    " iteration {it:8d}/{total:8d} | consumed samples: {samples:12d} |"
+    " elapsed time per iteration (ms): {ms:.1f} |",
+    Opt(" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"),  # --log-throughput
+    " learning rate: {lr:.3E} | global batch size: {gbs:5d} | lm loss: {loss:.6E} | loss scale: {scale:.1f} |",
+    Opt(" grad norm: {gnorm:.3f} |"),
+    " number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} |",
+    Opt(" tokens per second: {tokens_per_s:.1f} | TFLOP/s per device: {tflops:.3f} |"),
+    Opt(" MFU: {mfu_percent:.1f}% |"),
+)
+#: The body of Megatron's boxed validation report.
+VALIDATION = LogLine(" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | ")
 
 
 @dataclass(frozen=True)
@@ -87,7 +101,7 @@ def iteration_line(
     mfu: float | None,
     throughput: float | None = None,
 ) -> str:
-    """Megatron's training log line, then throughput fields: ``distlab.logs.formats.ITERATION``
+    """Megatron's training log line, then throughput fields: :data:`ITERATION`
     (``throughput``: Megatron's --log-throughput field, model TFLOP/s per device)."""
     return ITERATION.format(
         throughput=throughput,
@@ -113,7 +127,7 @@ ITERATION_RE = ITERATION.regex
 
 
 def validation_lines(label: str, loss: float) -> list[str]:
-    """Megatron's boxed validation report: loss and perplexity (``distlab.logs.formats.VALIDATION``)."""
+    """Megatron's boxed validation report: loss and perplexity (:data:`VALIDATION`)."""
     ppl = float("inf") if loss > 700 else float(torch.tensor(loss).exp())
     body = VALIDATION.format(label=label, loss=loss, ppl=ppl)
     bar = "-" * (len(body) + 1)
@@ -283,19 +297,8 @@ class TrainingLog:
         the step alone; its global batch, a ramp's, else the final); on a log iteration, read the
         interval and return it with its line. Nothing is read from the device otherwise."""
         self._batch = global_batch_size or self.config.global_batch_size
-        row = [
-            iteration,
-            consumed,
-            loss,
-            grad_norm,
-            skipped,
-            nan,
-            lr,
-            loss_scale,
-            iter_ms,
-            step_ms,
-            self._batch,
-        ]
+        row = [iteration, consumed, loss, grad_norm, skipped, nan, lr, loss_scale, iter_ms, step_ms,
+               self._batch]  # fmt: skip
         self._pending.append(row)  # in ROW's order
         if not self.due(iteration):
             return None

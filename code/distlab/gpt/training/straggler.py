@@ -11,7 +11,7 @@ Megatron-LM's ``StragglerDetector``), and from it each rank's estimated throughp
 Megatron times the forward step only and divides by amp = 3 (the backward is about twice the
 forward); the engine times forward and backward together, so amp = 1 here. Every
 ``--log-interval`` iterations every rank sends its (Rtt, Etpt) to rank 0 (``gather_object``),
-which prints the ranks of the minimum and maximum (``logs.formats.STRAGGLER``) and, with
+which prints the ranks of the minimum and maximum (:data:`STRAGGLER`) and, with
 ``--straggler-minmax-count N`` (1 < N < world), the N lowest and N highest ``Etpt/rank`` pairs.
 
 ``--disable-straggler-on-startup`` starts with collection off; as in Megatron, rank 0 listens on
@@ -27,7 +27,16 @@ import threading
 import torch
 import torch.distributed as dist
 
-from distlab.logs.formats import STRAGGLER, STRAGGLER_RANKS
+from distlab.log_line import LogLine
+
+#: Rank 0, every --log-interval with --log-straggler (Megatron's StragglerDetector line, the
+#: throughput in E notation: a CPU rank's TFLOP/s are 1e-4).
+STRAGGLER = LogLine(
+    "> straggler: iteration {iteration:d} | MnRtt/Rnk: {min_ms:.2f}ms/{min_rank:d} | MxRtt/Rnk: {max_ms:.2f}ms/{max_rank:d}"
+    " | MnEtpt/Rnk: {min_tf:.3E}TF/{min_tf_rank:d} | MxEtpt/Rnk: {max_tf:.3E}TF/{max_tf_rank:d}"
+)
+#: With --straggler-minmax-count N > 1, after STRAGGLER: the N lowest (Bottom) and highest (Top).
+STRAGGLER_RANKS = LogLine("^^^^ {which} {n:d} Ranks with {how} Etpt(TF): {pairs}")
 
 #: Megatron divides by 3 because it times the forward only; the engine times forward + backward.
 AMP = 1.0

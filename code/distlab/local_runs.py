@@ -1,10 +1,13 @@
 """Run ``pretrain`` on spawned local ranks, and prepare a small offline dataset: for tests,
-benchmarks and notebooks that need a whole run without a cluster.
+and benchmarks that need a whole run without a cluster.
 
 ``spawn_pretrain(argv, world_size, out_dir)`` starts ``world_size`` processes on a free port
 with torchrun's variables (``RANK``, ``WORLD_SIZE``, ...), runs ``pretrain(argv)`` in each, and
 returns every rank's history and log text. ``prepare_data(folder)`` trains a byte-level BPE on
 standard-library docstrings and writes the indexed dataset, once per folder.
+
+Beside ``local_ranks.py`` (which it spawns with), outside the engine: it drives ``distlab.gpt``
+from the outside, as ``pretrain_gpt.py`` does.
 """
 
 from __future__ import annotations
