@@ -26,11 +26,11 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import estimate
 from distlab.gpt.memory.meters import MiB
 from distlab.gpt.memory.setup import MemorySetup
-from distlab.gpt.moe.moe_layer import MoEConfig
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data
 from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.moe.moe_layer import MoEConfig
 from distlab.local_ranks import free_port, spawn_ranks
 from distlab.logs.formats import MEMORY
 from tests.conftest import assert_same_training, run_gloo, train_plan

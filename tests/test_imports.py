@@ -128,7 +128,6 @@ LAYERS = (
     "data",
     "tensor_parallel",
     "context_parallel",
-    "moe",
     "transformer",
     "pipeline_parallel",
     "deepspeed",

@@ -38,12 +38,12 @@ never up (``tests/test_imports.py`` checks it)::
                        ~ tensor_parallel/ mappings, layers, cross_entropy, random
     context_parallel/  ring_attention: the sequence over cp ranks
                        ~ Transformer Engine's context-parallel attention (cp_comm_type p2p)
-    moe/               router (top-k, aux loss), experts (their MLPs, split over tp), token_dispatcher
-                       (allgather, alltoall), expert_parallel (the all-to-alls), moe_layer
-                       ~ transformer/moe/ router, moe_utils, experts, token_dispatcher, moe_layer
     transformer/       recompute (attention backends, what a block keeps), config (GPT-2 or Llama's
                        switches), norms, rope, attention (grouped-query), mlp (GeLU, SwiGLU), model
-                       (the GPT block by block; one pipeline stage) ~ transformer/, models/gpt/gpt_model.py
+                       (the GPT block by block; one pipeline stage) ~ transformer/, models/gpt/gpt_model.py;
+                       moe/: router (top-k, aux loss), experts (their MLPs, split over tp),
+                       token_dispatcher (allgather, alltoall), expert_parallel (the all-to-alls),
+                       moe_layer ~ transformer/moe/ router, moe_utils, experts, token_dispatcher, moe_layer
     pipeline_parallel/ p2p_communication, schedules (GPipe, 1F1B), interleaved (1F1B over v chunks),
                        timeline and plot (recorded F/B spans) ~ pipeline_parallel/
     deepspeed/         config (DeepSpeed's JSON, checked), engine (ZeRO as a back end)

@@ -30,7 +30,6 @@ from distlab.gpt.arguments.groups import PretrainArgs
 from distlab.gpt.arguments.parser import as_list, profile_ranks
 from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from distlab.gpt.moe.moe_layer import MoEConfig
 from distlab.gpt.optimizer.optimizer import LRSchedule
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.optimizer.precision import Precision
@@ -38,6 +37,7 @@ from distlab.gpt.training.flops import FlopsConfig
 from distlab.gpt.training.housekeeping import HousekeepingConfig
 from distlab.gpt.training.log import LoggingConfig, ProfilerConfig
 from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.moe.moe_layer import MoEConfig
 from distlab.gpt.transformer.recompute import granularity_of
 
 

@@ -44,12 +44,12 @@ from distlab.gpt.interfaces import (
     mean_backward,
     no_grad_sync,
 )
-from distlab.gpt.moe.moe_layer import set_aux_loss_scale
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.optimizer.optimizer import step_unless
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.log import Timer
 from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.moe.moe_layer import set_aux_loss_scale
 
 
 def micro_batches(

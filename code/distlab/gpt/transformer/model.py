@@ -35,7 +35,7 @@ initialiser makes it equal to the first stage's E (same name, same seed), and ``
 sums the two gradients, so they stay equal. Untied (``--untie-embeddings-and-output-weights``), the
 last stage's ``output_layer`` is a weight of its own, drawn from its own name, and nothing is summed.
 
-Mixture of experts (``moe/moe_layer.py``, ``moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
+Mixture of experts (``transformer/moe/moe_layer.py``, ``transformer/moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
 becomes a router and E experts, split over the ep ranks of the layout's expert groups (and over
 tp, etp = tp); each layer attaches its ``coeff l_aux`` to its output for backward (the returned
 values stay the lm loss).
@@ -81,7 +81,6 @@ from torch import nn
 from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_of
 from distlab.gpt.layout import Layout
 from distlab.gpt.model_layout import ModelShape, check_model_layout
-from distlab.gpt.moe.moe_layer import MoELayer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -96,6 +95,7 @@ from distlab.gpt.tensor_parallel.rng_tracker import checkpoint, fork_if
 from distlab.gpt.transformer.attention import SelfAttention
 from distlab.gpt.transformer.config import GPTConfig
 from distlab.gpt.transformer.mlp import MLP
+from distlab.gpt.transformer.moe.moe_layer import MoELayer
 from distlab.gpt.transformer.norms import Norm
 from distlab.gpt.transformer.recompute import checkpoint_groups, recompute_errors
 from distlab.gpt.transformer.rope import rotary_angles

@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.gpt.moe.experts import ExpertMLP
-from distlab.gpt.moe.router import load_balancing_loss, route
-from distlab.gpt.moe.token_dispatcher import DISPATCH, ExpertGroup
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import mark_sequence_parallel
+from distlab.gpt.transformer.moe.experts import ExpertMLP
+from distlab.gpt.transformer.moe.router import load_balancing_loss, route
+from distlab.gpt.transformer.moe.token_dispatcher import DISPATCH, ExpertGroup
 
 
 @dataclass
