@@ -48,8 +48,8 @@ never up (``tests/test_imports.py`` checks it)::
                        timeline and plot (recorded F/B spans) ~ pipeline_parallel/
     deepspeed/         config (DeepSpeed's JSON, checked), engine (ZeRO as a back end)
                        ~ Megatron-DeepSpeed
-    optimizer/         optimizer_config, optimizer (AdamW, LR schedule), loss_scaler (fp16), precision
-                       ~ optimizer/, optimizer_param_scheduler.py
+    optimizer/         optimizer_config, optimizer (AdamW), optimizer_param_scheduler (the LR schedule),
+                       loss_scaler (fp16), precision ~ optimizer/, optimizer_param_scheduler.py
     distributed/       distributed_data_parallel_config, grad_buckets (dp reduction overlapped with
                        backward), gradients (tied embedding, dp all-reduce, norm, clipping),
                        param_and_grad_buffer and distrib_optimizer (--use-distributed-optimizer:

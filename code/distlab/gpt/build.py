@@ -65,8 +65,9 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.memory.meters import PeakMeter, cap_device_memory
 from distlab.gpt.native import torch_compile
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
-from distlab.gpt.optimizer.optimizer import LRSchedule, build_optimizer
+from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
+from distlab.gpt.optimizer.optimizer_param_scheduler import LRSchedule
 from distlab.gpt.optimizer.precision import Precision
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
