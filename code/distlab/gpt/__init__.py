@@ -34,7 +34,8 @@ never up (``tests/test_imports.py`` checks it)::
     data/              tokenizer (GPT-2 BPE), tokenizers (Null, sentencepiece, HuggingFace),
                        indexed_dataset, mock_dataset, gpt_dataset ~ tokenizers/, datasets/
     tensor_parallel/   mappings (the f and g operators), layers (column / row-parallel linear,
-                       vocabulary-parallel embedding and loss), rng_tracker (two random streams)
+                       vocabulary-parallel embedding), cross_entropy (the loss over vocabulary
+                       slices), rng_tracker (two random streams)
                        ~ tensor_parallel/ mappings, layers, cross_entropy, random
     context_parallel/  ring_attention: the sequence over cp ranks
                        ~ Transformer Engine's context-parallel attention (cp_comm_type p2p)

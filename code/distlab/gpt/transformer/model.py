@@ -82,13 +82,13 @@ from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_of
 from distlab.gpt.layout import Layout
 from distlab.gpt.model_layout import ModelShape, check_model_layout
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from distlab.gpt.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     mark_sequence_parallel,
     parallel_lm_logits,
     shard,
-    vocab_parallel_cross_entropy,
 )
 from distlab.gpt.tensor_parallel.mappings import gather_from_tensor_parallel
 from distlab.gpt.tensor_parallel.rng_tracker import checkpoint, fork_if
