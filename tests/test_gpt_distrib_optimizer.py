@@ -27,15 +27,15 @@ import torch
 import torch.distributed as dist
 
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.distributed.distrib_optimizer import (
-    DistributedOptimizer,
-    build_distributed_optimizer,
-    bytes_per_parameter,
-)
 from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import estimate
 from distlab.gpt.memory.setup import MemorySetup
+from distlab.gpt.optimizer.distrib_optimizer import (
+    DistributedOptimizer,
+    build_distributed_optimizer,
+    bytes_per_parameter,
+)
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer
 from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import estimate
 from distlab.gpt.memory.meters import MiB
 from distlab.gpt.memory.setup import MemorySetup
+from distlab.gpt.optimizer.distrib_optimizer import build_distributed_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.gpt.distributed.distrib_optimizer import bytes_per_parameter as table
+from distlab.gpt.optimizer.distrib_optimizer import bytes_per_parameter as table
 from distlab.gpt.tools import architecture_steps
 from distlab.gpt.tools.launch_script import script_argv
 from distlab.logs.formats import MEMORY, RANK_COORDS

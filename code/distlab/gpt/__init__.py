@@ -49,14 +49,14 @@ never up (``tests/test_imports.py`` checks it)::
                        timeline and plot (recorded F/B spans) ~ pipeline_parallel/
     deepspeed/         config (DeepSpeed's JSON, checked), engine (ZeRO as a back end)
                        ~ Megatron-DeepSpeed
-    optimizer/         optimizer_config, optimizer (AdamW), optimizer_param_scheduler (the LR schedule),
-                       loss_scaler (fp16), precision ~ optimizer/, optimizer_param_scheduler.py
     distributed/       distributed_data_parallel_config, grad_buckets (dp reduction overlapped with
-                       backward), gradients (tied embedding, dp all-reduce, norm, clipping),
-                       param_and_grad_buffer and distrib_optimizer (--use-distributed-optimizer:
-                       ZeRO-1 over dp x cp)
-                       ~ distributed/ param_and_grad_buffer, finalize_model_grads; optimizer/clip_grads,
-                       optimizer/distrib_optimizer.py
+                       backward), gradients (tied embedding, dp all-reduce, the sequence-parallel sum),
+                       param_and_grad_buffer (the distributed optimizer's buffers, reduce-scatter and
+                       all-gather) ~ distributed/ param_and_grad_buffer, finalize_model_grads
+    optimizer/         optimizer_config, optimizer (AdamW), optimizer_param_scheduler (the LR schedule),
+                       loss_scaler (fp16), precision, clip_grads (norm, clipping, the whole gradient
+                       finalisation), distrib_optimizer (--use-distributed-optimizer: ZeRO-1 over dp x cp)
+                       ~ optimizer/ optimizer, clip_grads, distrib_optimizer; optimizer_param_scheduler.py
     checkpointing/     checkpoint_config, checkpointing (Megatron's legacy format), dist_checkpointing
                        (DCP: torch_dist), checkpointer (the run's saves and load, --async-save)
                        ~ training/checkpointing.py, dist_checkpointing/

@@ -59,11 +59,11 @@ from distlab.gpt.data.mock_dataset import MockIndexedDataset
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.deepspeed import config as deepspeed_config
 from distlab.gpt.deepspeed import engine as deepspeed_engine
-from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer, distributed_optimizer_line
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.meters import PeakMeter, cap_device_memory
 from distlab.gpt.native import torch_compile
+from distlab.gpt.optimizer.distrib_optimizer import build_distributed_optimizer, distributed_optimizer_line
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig

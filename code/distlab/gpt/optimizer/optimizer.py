@@ -1,5 +1,5 @@
 """Optimizer: AdamW or SGD over parameter groups, and its step (Megatron's ``optimizer/optimizer.py``;
-the learning-rate schedule is in ``optimizer_param_scheduler.py``, gradient clipping in ``distributed/gradients.py``).
+the learning-rate schedule is in ``optimizer_param_scheduler.py``, gradient clipping in ``clip_grads.py``).
 
 ``--decoupled-lr`` / ``--decoupled-min-lr``: the input embedding and the output layer (Megatron's
 ``is_embedding_or_output_parameter``: the word embedding and the output weight, not the position

@@ -191,7 +191,7 @@ def expert_parameters(args: PretrainArgs, layout: Layout) -> float:
     return args.num_layers / layout.pp * args.num_experts / layout.ep * per_expert
 
 
-#: Bytes per parameter of a step's update, fp32 (``distributed/gradients.py``, ``optimizer/optimizer.py``):
+#: Bytes per parameter of a step's update, fp32 (``optimizer/clip_grads.py``, ``optimizer/optimizer.py``):
 #: the norm reads the gradient (4), clipping scales it (8), fused AdamW reads the parameter, the
 #: gradient and both moments and writes the parameter and the moments (28).
 UPDATE_BYTES = 40
