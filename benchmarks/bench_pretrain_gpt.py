@@ -34,7 +34,8 @@ from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.pretrain import pretrain
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_ranks import free_port
 from distlab.rank_process import usable_cpus
 

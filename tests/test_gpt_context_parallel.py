@@ -39,7 +39,8 @@ from distlab.gpt.memory.cp_measure import saved_bytes
 from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes, stage_layers_bytes
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_ranks import free_port, spawn_ranks
 from distlab.logs.exercise import (
     check_long_sequence_run,

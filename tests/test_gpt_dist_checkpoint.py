@@ -28,7 +28,8 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import RunResult, prepare_data, spawn_pretrain
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.logs.formats import SAVED
 from tests.conftest import run_gloo
 from tests.test_gpt_training import TINY

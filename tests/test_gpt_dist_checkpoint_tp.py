@@ -36,7 +36,7 @@ from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import shard, unshard
 from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 from tests.conftest import TINY_GPT_ARGV, entry_script, run_gloo
 from tests.test_gpt_dist_checkpoint import _resume_from_3
 from tests.test_gpt_hf_llama import FAMILIES, LLAMA_ARGS, VOCAB, course_model, tokens

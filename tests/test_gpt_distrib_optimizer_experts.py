@@ -29,7 +29,8 @@ from distlab.gpt.optimizer.distrib_optimizer import build_distributed_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.gpt.transformer.moe.moe_layer import MoEConfig
 from distlab.local_ranks import free_port, spawn_ranks
 from distlab.logs.formats import MEMORY

@@ -20,7 +20,8 @@ from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint
 from distlab.gpt.inference.generation import Sampling, generate
 from distlab.gpt.tools.local_run import prepare_data, spawn_pretrain
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: every model here is built locally
 transformers = pytest.importorskip("transformers")

@@ -20,7 +20,7 @@ from distlab.gpt.inference.generation import Sampling, generate
 from distlab.gpt.inference.llama import LLAMA
 from distlab.gpt.inference.mixtral import MIXTRAL
 from distlab.gpt.tools.local_run import spawn_pretrain
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 from tests.conftest import entry_script
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: every model here is built locally

@@ -21,7 +21,8 @@ from distlab.gpt.memory.memory_estimate import (
 )
 from distlab.gpt.memory.meters import cpu_peak_since, reset_cpu_peak
 from distlab.gpt.memory.parameters import num_parameters
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 SBH = 128 * 4 * 64  # s=128, b=4, h=64: 32,768 values
 FULL_1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

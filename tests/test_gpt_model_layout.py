@@ -13,7 +13,7 @@ from distlab.gpt.model_layout import RULES, ModelShape, check_model_layout, mode
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.planning import hardware, planner
 from distlab.gpt.transformer.config import GPTConfig
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 OK = ModelShape(num_layers=4, hidden_size=48, num_attention_heads=4, seq_length=16, vocab_size=96)
 

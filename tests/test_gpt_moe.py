@@ -26,7 +26,8 @@ from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pretrain import log_moe
 from distlab.gpt.tensor_parallel.layers import shard
 from distlab.gpt.training.training import LocalBackend, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.gpt.transformer.moe.expert_parallel import combine, dispatch
 from distlab.gpt.transformer.moe.experts import ExpertMLP
 from distlab.gpt.transformer.moe.moe_layer import MoEConfig, moe_layers, set_aux_loss_scale, take_stats

@@ -31,7 +31,9 @@ from distlab.gpt.memory.activation_memory import measure_block, parse
 from distlab.gpt.memory.memory_estimate import MemorySetup, block_bytes, korthikanti_layer_bytes
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tools.local_run import prepare_data, pretrain_as_rank
-from distlab.gpt.transformer.model import Block, GPTConfig, init_parameters
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import init_parameters
+from distlab.gpt.transformer.transformer_layer import Block
 from distlab.local_ranks import free_port, spawn_ranks
 from tests.conftest import TINY_GPT_ARGV as MODEL
 from tests.conftest import assert_same_training, run_gloo

@@ -17,7 +17,7 @@ from distlab.gpt.arguments import parse_args
 from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.logs.exercise import check_state_layout_run, state_layout_predictions
 from distlab.logs.formats import ITERATION, PARAMETERS, PREDICTION
 

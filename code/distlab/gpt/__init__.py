@@ -40,8 +40,9 @@ never up (``tests/test_imports.py`` checks it)::
     context_parallel/  ring_attention: the sequence over cp ranks
                        ~ Transformer Engine's context-parallel attention (cp_comm_type p2p)
     transformer/       recompute (attention backends, what a block keeps), config (GPT-2 or Llama's
-                       switches), norms, rope, attention (grouped-query), mlp (GeLU, SwiGLU), model
-                       (the GPT block by block; one pipeline stage) ~ transformer/, models/gpt/gpt_model.py;
+                       switches), norms, rope, attention (grouped-query), mlp (GeLU, SwiGLU),
+                       transformer_layer (one pre-norm block), gpt_model (the GPT block by block; one
+                       pipeline stage) ~ transformer/, models/gpt/gpt_model.py;
                        moe/: router (top-k, aux loss), experts (their MLPs, split over tp),
                        token_dispatcher (allgather, alltoall), expert_parallel (the all-to-alls),
                        moe_layer ~ transformer/moe/ router, moe_utils, experts, token_dispatcher, moe_layer

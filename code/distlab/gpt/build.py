@@ -79,7 +79,8 @@ from distlab.gpt.training import housekeeping, log
 from distlab.gpt.training.fault_handling import startup_timeout_s
 from distlab.gpt.training.flops import flops_line, model_flops_per_iteration
 from distlab.gpt.training.training import LocalBackend, forward_backward, micro_batches, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.logs.formats import BATCH, PARAMETERS
 from distlab.rank_process import cap_cpu_threads, network_settings, print_on
 

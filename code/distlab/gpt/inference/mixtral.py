@@ -39,7 +39,7 @@ import torch
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.inference import llama
 from distlab.gpt.inference.architecture import Architecture, ConversionError, Needs, StateDict, unmet
-from distlab.gpt.transformer.model import GPTConfig
+from distlab.gpt.transformer.config import GPTConfig
 
 NEEDS: Needs = {
     "num_experts": (lambda e: e is not None, "--num-experts E"),

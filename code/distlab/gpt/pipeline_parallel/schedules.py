@@ -26,7 +26,7 @@ schedule, in ``optimizer/clip_grads.py``; with ``--overlap-grad-reduce`` the dat
 start during each chunk's last backward (``B3`` above), told by the back end's ``grad_sync``.
 
 Tied embedding: the first stage holds E for the input, the last stage a copy for the logits;
-both start equal (``model.init_parameters``) and stay equal (``gradients.reduce_gradients``).
+both start equal (``gpt_model.init_parameters``) and stay equal (``gradients.reduce_gradients``).
 """
 
 from __future__ import annotations

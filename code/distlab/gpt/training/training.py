@@ -48,7 +48,7 @@ from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.optimizer.optimizer import step_unless
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.log import Timer
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.gpt.transformer.moe.moe_layer import set_aux_loss_scale
 
 

@@ -130,7 +130,7 @@ class _AuxLossScaler(torch.autograd.Function):
 
 class MoELayer(nn.Module):
     """Router and this rank's ``E / ep`` experts (their etp shards), keyed by their global index
-    (so that ``model.init_parameters`` gives expert e the same weights on every layout)."""
+    (so that ``gpt_model.init_parameters`` gives expert e the same weights on every layout)."""
 
     def __init__(self, cfg: MoEConfig, hidden: int, ffn: int, state: ParallelState | None = None) -> None:
         super().__init__()
