@@ -17,6 +17,36 @@ Notation, the same in every module's docstrings and shape comments::
 
 A tensor entering the model is (b, T), a hidden state (b, T, H), a logit slice (b, T, V / tp).
 
+Megatron Core name -> here: each piece of ``megatron/core/`` (left) and where this package keeps
+it (right, under ``distlab/gpt/``)::
+
+    parallel_state.py                               -> parallel_state.py
+    tensor_parallel/mappings.py                     -> tensor_parallel/mappings.py
+    tensor_parallel/layers.py                       -> tensor_parallel/layers.py
+    tensor_parallel/cross_entropy.py                -> tensor_parallel/cross_entropy.py
+    tensor_parallel/random.py                       -> tensor_parallel/rng_tracker.py
+    transformer/transformer_config.py               -> transformer/config.py
+    transformer/attention.py                        -> transformer/attention.py
+    transformer/mlp.py                              -> transformer/mlp.py
+    transformer/transformer_layer.py                -> transformer/transformer_layer.py
+    transformer/transformer_block.py                -> transformer/gpt_model.py (its blocks)
+    transformer/moe/                                -> transformer/moe/
+    models/gpt/gpt_model.py                         -> transformer/gpt_model.py
+    pipeline_parallel/p2p_communication.py          -> pipeline_parallel/p2p_communication.py
+    pipeline_parallel/schedules.py                  -> pipeline_parallel/schedules.py, interleaved.py
+    distributed/distributed_data_parallel_config.py -> distributed/distributed_data_parallel_config.py
+    distributed/param_and_grad_buffer.py            -> distributed/param_and_grad_buffer.py, grad_buckets.py
+    distributed/finalize_model_grads.py             -> distributed/gradients.py
+    optimizer/optimizer_config.py                   -> optimizer/optimizer_config.py
+    optimizer/optimizer.py                          -> optimizer/optimizer.py
+    optimizer/grad_scaler.py                        -> optimizer/loss_scaler.py
+    optimizer/clip_grads.py                         -> optimizer/clip_grads.py
+    optimizer/distrib_optimizer.py                  -> optimizer/distrib_optimizer.py
+    optimizer_param_scheduler.py                    -> optimizer/optimizer_param_scheduler.py
+    datasets/indexed_dataset.py                     -> data/indexed_dataset.py
+    datasets/gpt_dataset.py                         -> data/gpt_dataset.py
+    dist_checkpointing/                             -> checkpointing/dist_checkpointing.py
+
 The map, in reading order: one concern per subpackage; after ``~`` what it mirrors in Megatron
 Core (``megatron/core/``; ``training/`` is ``megatron/training/``). Imports run down this list,
 never up (``tests/test_imports.py`` checks it)::
