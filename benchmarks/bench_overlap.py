@@ -35,7 +35,8 @@ from distlab.gpt.distributed.grad_buckets import assign_buckets
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import LocalBackend, forward_backward
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.rank_process import print_on
 
 

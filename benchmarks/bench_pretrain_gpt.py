@@ -33,7 +33,8 @@ from distlab.gpt.data.tokenizer import GPT2BPETokenizer
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.pretrain import pretrain
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_ranks import free_port
 from distlab.local_runs import prepare_data, spawn_pretrain
 from distlab.rank_process import usable_cpus

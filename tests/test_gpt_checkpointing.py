@@ -21,7 +21,8 @@ from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

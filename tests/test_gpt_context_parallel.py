@@ -40,7 +40,8 @@ from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes, st
 from distlab.gpt.memory.meters import PREDICTION
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.log import ITERATION
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_ranks import free_port, spawn_ranks
 from distlab.local_runs import prepare_data
 from distlab.logs.exercise import (

@@ -17,8 +17,9 @@ from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint, llama, mixtral
-from distlab.gpt.moe.moe_layer import MoEConfig
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
+from distlab.gpt.transformer.moe.moe_layer import MoEConfig
 from distlab.local_runs import prepare_data
 from tests.conftest import entry_script
 

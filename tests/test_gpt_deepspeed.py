@@ -84,7 +84,8 @@ def _batches(rank: int) -> list:
 def _model_and_optimizer():
     from distlab.gpt.optimizer.optimizer import build_optimizer
     from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
-    from distlab.gpt.transformer.model import GPTConfig, GPTModel
+    from distlab.gpt.transformer.config import GPTConfig
+    from distlab.gpt.transformer.gpt_model import GPTModel
 
     model = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
                                max_position_embeddings=SEQ, seed=7))  # fmt: skip

@@ -28,7 +28,8 @@ from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.layout import Layout
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_runs import RunResult, prepare_data, spawn_pretrain
 from tests.conftest import run_gloo
 from tests.test_gpt_training import TINY

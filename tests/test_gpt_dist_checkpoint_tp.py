@@ -35,7 +35,7 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import shard, unshard
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_runs import prepare_data, spawn_pretrain
 from tests.conftest import TINY_GPT_ARGV, entry_script, run_gloo
 from tests.test_gpt_dist_checkpoint import _resume_from_3

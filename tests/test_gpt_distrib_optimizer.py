@@ -27,15 +27,15 @@ import torch
 import torch.distributed as dist
 
 from distlab.gpt.arguments import parse_args, validate_args
-from distlab.gpt.distributed.distrib_optimizer import (
-    DistributedOptimizer,
-    build_distributed_optimizer,
-    bytes_per_parameter,
-)
 from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import estimate
 from distlab.gpt.memory.setup import MemorySetup
+from distlab.gpt.optimizer.distrib_optimizer import (
+    DistributedOptimizer,
+    build_distributed_optimizer,
+    bytes_per_parameter,
+)
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
@@ -43,7 +43,8 @@ from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
 from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
 from distlab.gpt.training.training import LocalBackend, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_ranks import free_port, spawn_ranks
 from tests.conftest import TINY_GPT_ARGV, run_gloo, train_plan
 

@@ -20,16 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer
 from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import estimate
 from distlab.gpt.memory.meters import MEMORY, MiB
 from distlab.gpt.memory.setup import MemorySetup
-from distlab.gpt.moe.moe_layer import MoEConfig
+from distlab.gpt.optimizer.distrib_optimizer import build_distributed_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
+from distlab.gpt.transformer.moe.moe_layer import MoEConfig
 from distlab.local_ranks import free_port, spawn_ranks
 from distlab.local_runs import prepare_data
 from tests.conftest import assert_same_training, run_gloo, train_plan

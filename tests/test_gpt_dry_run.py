@@ -145,7 +145,7 @@ def test_a_70b_shaped_dry_run_of_1024_ranks_ends_within_60_s(rank: int) -> None:
 
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_the_state_bytes_are_the_distributed_optimizers_own(precision: str, dtype: torch.dtype) -> None:
-    from distlab.gpt.distributed.distrib_optimizer import bytes_per_parameter
+    from distlab.gpt.optimizer.distrib_optimizer import bytes_per_parameter
 
     for d in (1, 2, 16):
         assert sum(model_states(1, precision, d, True)) == pytest.approx(bytes_per_parameter(dtype, d))

@@ -25,7 +25,8 @@ from distlab.gpt.checkpointing import checkpointing
 from distlab.gpt.native.dtensor_parallel import as_nn_linear, check_plan
 from distlab.gpt.native.plan_check import block_collectives, plan_is_right, try_mlp_plan
 from distlab.gpt.tensor_parallel.layers import VOCAB_PADDING
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_runs import prepare_data, spawn_pretrain
 from distlab.logs.megatron import parameter_counts
 from tests.conftest import run_gloo

@@ -19,7 +19,8 @@ from distlab.gpt.data.tokenizer import GPT2BPETokenizer
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import course_checkpoint, gpt2, hf_checkpoint
 from distlab.gpt.inference.generation import Sampling, generate
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_runs import prepare_data, spawn_pretrain
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: every model here is built locally

@@ -19,7 +19,7 @@ from distlab.gpt.inference import course_checkpoint, hf_checkpoint
 from distlab.gpt.inference.generation import Sampling, generate
 from distlab.gpt.inference.llama import LLAMA
 from distlab.gpt.inference.mixtral import MIXTRAL
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_runs import spawn_pretrain
 from tests.conftest import entry_script
 

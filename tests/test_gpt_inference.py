@@ -12,7 +12,8 @@ from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.inference import course_checkpoint
 from distlab.gpt.inference.generation import Sampling, generate, next_token
 from distlab.gpt.inference.kv_cache import KVCache
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(120)]
 CFG = GPTConfig(

@@ -36,7 +36,8 @@ from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
 from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
 from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
 from distlab.gpt.training.training import LocalBackend, forward_backward, reduce_loss, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,7 +18,8 @@ from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import shard
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.gpt.transformer.rope import apply_rotary, rotary_angles
 from tests.conftest import TINY_GPT_ARGV, run_gloo
 
@@ -258,7 +259,8 @@ def test_llama_memory_estimate_counts_its_parameters_and_activations() -> None:
     (log-sum-exp, RoPE's cos and sin tables): within 4% above, never below."""
     from distlab.gpt.memory.activation_memory import saved_activation_bytes
     from distlab.gpt.memory.memory_estimate import MemorySetup, block_bytes, stage_parameters
-    from distlab.gpt.transformer.model import Block, init_parameters
+    from distlab.gpt.transformer.gpt_model import init_parameters
+    from distlab.gpt.transformer.transformer_layer import Block
 
     s, b, h, a, V = 64, 2, 64, 8, 128
     arch = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,

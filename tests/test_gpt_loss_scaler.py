@@ -10,7 +10,8 @@ from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler, unscale_and_che
 from distlab.gpt.optimizer.precision import Precision
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import LocalBackend, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(60)]
 

@@ -24,7 +24,8 @@ from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training import housekeeping
 from distlab.gpt.training.log import ITERATION, iteration_line
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,7 +20,8 @@ from distlab.gpt.memory.memory_estimate import (
 )
 from distlab.gpt.memory.meters import cpu_peak_since, format_prediction, reset_cpu_peak
 from distlab.gpt.memory.parameters import num_parameters
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 pytestmark = pytest.mark.engine_fast
 

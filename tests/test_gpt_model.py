@@ -7,7 +7,8 @@ import torch
 
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(60)]
 CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=256, max_position_embeddings=16)

@@ -13,7 +13,7 @@ from distlab.gpt.model_layout import RULES, ModelShape, check_model_layout, mode
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.planning import hardware, planner
 from distlab.gpt.transformer.config import GPTConfig
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 pytestmark = pytest.mark.engine_fast
 

@@ -20,17 +20,18 @@ import torch
 from distlab.gpt.arguments import parse_args, validate_args
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, stage_parameters
-from distlab.gpt.moe.expert_parallel import combine, dispatch
-from distlab.gpt.moe.experts import ExpertMLP
-from distlab.gpt.moe.moe_layer import MoEConfig, moe_layers, set_aux_loss_scale, take_stats
-from distlab.gpt.moe.router import load_balancing_loss, route
 from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pretrain import MOE, log_moe
 from distlab.gpt.tensor_parallel.layers import shard
 from distlab.gpt.training.training import LocalBackend, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
+from distlab.gpt.transformer.moe.expert_parallel import combine, dispatch
+from distlab.gpt.transformer.moe.experts import ExpertMLP
+from distlab.gpt.transformer.moe.moe_layer import MoEConfig, moe_layers, set_aux_loss_scale, take_stats
+from distlab.gpt.transformer.moe.router import load_balancing_loss, route
 from distlab.logs.experts import tokens_per_expert
 from tests.conftest import run_gloo
 

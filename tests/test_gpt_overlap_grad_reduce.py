@@ -21,7 +21,8 @@ from distlab.gpt.distributed.grad_buckets import assign_buckets, default_bucket_
 from distlab.gpt.layout import Layout
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.training import LocalBackend, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.profiling.traces import Trace, communication_split, step_spans
 from tests.conftest import run_gloo
 from tests.test_gpt_arguments import BASE, files  # noqa: F401 - the fixture

@@ -25,7 +25,8 @@ from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
 from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
 from distlab.gpt.training.training import LocalBackend, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from tests.conftest import run_gloo
 from tests.test_gpt_distrib_optimizer import OPTIM, distributed
 

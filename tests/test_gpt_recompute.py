@@ -29,7 +29,8 @@ from distlab.gpt.memory.memory_estimate import (
 )
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.rng_tracker import model_parallel_manual_seed
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.gpt.transformer.recompute import checkpoint_groups, recompute_errors
 from tests.conftest import run_gloo
 

@@ -30,7 +30,9 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.memory.activation_memory import measure_block, parse
 from distlab.gpt.memory.memory_estimate import MemorySetup, block_bytes, korthikanti_layer_bytes
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.transformer.model import Block, GPTConfig, init_parameters
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import init_parameters
+from distlab.gpt.transformer.transformer_layer import Block
 from distlab.local_ranks import free_port, spawn_ranks
 from distlab.local_runs import prepare_data, pretrain_as_rank
 from tests.conftest import TINY_GPT_ARGV as MODEL

@@ -14,6 +14,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from distlab.distributed import DistContext
+from distlab.gpt.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from distlab.gpt.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -21,7 +22,6 @@ from distlab.gpt.tensor_parallel.layers import (
     pad_vocab_size,
     parallel_lm_logits,
     shard,
-    vocab_parallel_cross_entropy,
 )
 from distlab.gpt.tensor_parallel.mappings import gather_from_tensor_parallel
 from tests.conftest import run_gloo

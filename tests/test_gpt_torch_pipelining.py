@@ -20,7 +20,8 @@ import torch
 
 from distlab.distributed import DistContext
 from distlab.gpt.native import torch_pipelining
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(240)

@@ -20,7 +20,7 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.memory.meters import PREDICTION
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.log import ITERATION
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.logs.exercise import check_state_layout_run, state_layout_predictions
 
 #: The notebook's EX_ARGS.

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.gpt.distributed.distrib_optimizer import bytes_per_parameter as table
 from distlab.gpt.memory.meters import MEMORY, RANK_COORDS
+from distlab.gpt.optimizer.distrib_optimizer import bytes_per_parameter as table
 from distlab.gpt.tools import architecture_steps
 from distlab.gpt.tools.launch_script import script_argv
 from distlab.logs.memory import bytes_per_parameter

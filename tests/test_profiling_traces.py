@@ -148,7 +148,8 @@ def test_only_the_unfused_backend_has_attention_scores_in_a_trace(tmp_path, back
     (b, a, s, s) tensor; with --attention-backend unfused the softmax does."""
     import json
 
-    from distlab.gpt.transformer.model import GPTConfig, GPTModel
+    from distlab.gpt.transformer.config import GPTConfig
+    from distlab.gpt.transformer.gpt_model import GPTModel
 
     b, a, s = 2, 4, 32
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=a, vocab_size=128,

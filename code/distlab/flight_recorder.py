@@ -192,7 +192,7 @@ class Collective:
     seq: int | None  # None: an op the recorder does not number (dump's ``waiting``)
     sizes: list
     retired: bool
-    at: str = ""  # where the engine called it (dump's ``waiting``): " at gradients.py:110 (grad_norm)"
+    at: str = ""  # where the engine called it (dump's ``waiting``): " at clip_grads.py:51 (grad_norm)"
 
     @classmethod
     def of(cls, entry: dict, config: dict) -> Collective:

@@ -17,6 +17,36 @@ Notation, the same in every module's docstrings and shape comments::
 
 A tensor entering the model is (b, T), a hidden state (b, T, H), a logit slice (b, T, V / tp).
 
+Megatron Core name -> here: each piece of ``megatron/core/`` (left) and where this package keeps
+it (right, under ``distlab/gpt/``)::
+
+    parallel_state.py                               -> parallel_state.py
+    tensor_parallel/mappings.py                     -> tensor_parallel/mappings.py
+    tensor_parallel/layers.py                       -> tensor_parallel/layers.py
+    tensor_parallel/cross_entropy.py                -> tensor_parallel/cross_entropy.py
+    tensor_parallel/random.py                       -> tensor_parallel/rng_tracker.py
+    transformer/transformer_config.py               -> transformer/config.py
+    transformer/attention.py                        -> transformer/attention.py
+    transformer/mlp.py                              -> transformer/mlp.py
+    transformer/transformer_layer.py                -> transformer/transformer_layer.py
+    transformer/transformer_block.py                -> transformer/gpt_model.py (its blocks)
+    transformer/moe/                                -> transformer/moe/
+    models/gpt/gpt_model.py                         -> transformer/gpt_model.py
+    pipeline_parallel/p2p_communication.py          -> pipeline_parallel/p2p_communication.py
+    pipeline_parallel/schedules.py                  -> pipeline_parallel/schedules.py, interleaved.py
+    distributed/distributed_data_parallel_config.py -> distributed/distributed_data_parallel_config.py
+    distributed/param_and_grad_buffer.py            -> distributed/param_and_grad_buffer.py, grad_buckets.py
+    distributed/finalize_model_grads.py             -> distributed/gradients.py
+    optimizer/optimizer_config.py                   -> optimizer/optimizer_config.py
+    optimizer/optimizer.py                          -> optimizer/optimizer.py
+    optimizer/grad_scaler.py                        -> optimizer/loss_scaler.py
+    optimizer/clip_grads.py                         -> optimizer/clip_grads.py
+    optimizer/distrib_optimizer.py                  -> optimizer/distrib_optimizer.py
+    optimizer_param_scheduler.py                    -> optimizer/optimizer_param_scheduler.py
+    datasets/indexed_dataset.py                     -> data/indexed_dataset.py
+    datasets/gpt_dataset.py                         -> data/gpt_dataset.py
+    dist_checkpointing/                             -> checkpointing/dist_checkpointing.py
+
 The map, in reading order: one concern per subpackage; after ``~`` what it mirrors in Megatron
 Core (``megatron/core/``; ``training/`` is ``megatron/training/``). Imports run down this list,
 never up (``tests/test_imports.py`` checks it)::
@@ -34,28 +64,30 @@ never up (``tests/test_imports.py`` checks it)::
     data/              tokenizer (GPT-2 BPE), tokenizers (Null, sentencepiece, HuggingFace),
                        indexed_dataset, mock_dataset, gpt_dataset ~ tokenizers/, datasets/
     tensor_parallel/   mappings (the f and g operators), layers (column / row-parallel linear,
-                       vocabulary-parallel embedding and loss), rng_tracker (two random streams)
+                       vocabulary-parallel embedding), cross_entropy (the loss over vocabulary
+                       slices), rng_tracker (two random streams)
                        ~ tensor_parallel/ mappings, layers, cross_entropy, random
     context_parallel/  ring_attention: the sequence over cp ranks
                        ~ Transformer Engine's context-parallel attention (cp_comm_type p2p)
-    moe/               router (top-k, aux loss), experts (their MLPs, split over tp), token_dispatcher
-                       (allgather, alltoall), expert_parallel (the all-to-alls), moe_layer
-                       ~ transformer/moe/ router, moe_utils, experts, token_dispatcher, moe_layer
     transformer/       recompute (attention backends, what a block keeps), config (GPT-2 or Llama's
-                       switches), norms, rope, attention (grouped-query), mlp (GeLU, SwiGLU), model
-                       (the GPT block by block; one pipeline stage) ~ transformer/, models/gpt/gpt_model.py
+                       switches), norms, rope, attention (grouped-query), mlp (GeLU, SwiGLU),
+                       transformer_layer (one pre-norm block), gpt_model (the GPT block by block; one
+                       pipeline stage) ~ transformer/, models/gpt/gpt_model.py;
+                       moe/: router (top-k, aux loss), experts (their MLPs, split over tp),
+                       token_dispatcher (allgather, alltoall), expert_parallel (the all-to-alls),
+                       moe_layer ~ transformer/moe/ router, moe_utils, experts, token_dispatcher, moe_layer
     pipeline_parallel/ p2p_communication, schedules (GPipe, 1F1B), interleaved (1F1B over v chunks),
                        timeline and plot (recorded F/B spans) ~ pipeline_parallel/
     deepspeed/         config (DeepSpeed's JSON, checked), engine (ZeRO as a back end)
                        ~ Megatron-DeepSpeed
-    optimizer/         optimizer_config, optimizer (AdamW, LR schedule), loss_scaler (fp16), precision
-                       ~ optimizer/, optimizer_param_scheduler.py
     distributed/       distributed_data_parallel_config, grad_buckets (dp reduction overlapped with
-                       backward), gradients (tied embedding, dp all-reduce, norm, clipping),
-                       param_and_grad_buffer and distrib_optimizer (--use-distributed-optimizer:
-                       ZeRO-1 over dp x cp)
-                       ~ distributed/ param_and_grad_buffer, finalize_model_grads; optimizer/clip_grads,
-                       optimizer/distrib_optimizer.py
+                       backward), gradients (tied embedding, dp all-reduce, the sequence-parallel sum),
+                       param_and_grad_buffer (the distributed optimizer's buffers, reduce-scatter and
+                       all-gather) ~ distributed/ param_and_grad_buffer, finalize_model_grads
+    optimizer/         optimizer_config, optimizer (AdamW), optimizer_param_scheduler (the LR schedule),
+                       loss_scaler (fp16), precision, clip_grads (norm, clipping, the whole gradient
+                       finalisation), distrib_optimizer (--use-distributed-optimizer: ZeRO-1 over dp x cp)
+                       ~ optimizer/ optimizer, clip_grads, distrib_optimizer; optimizer_param_scheduler.py
     checkpointing/     checkpoint_config, checkpointing (Megatron's legacy format), dist_checkpointing
                        (DCP: torch_dist), checkpointer (the run's saves and load, --async-save)
                        ~ training/checkpointing.py, dist_checkpointing/

@@ -59,14 +59,15 @@ from distlab.gpt.data.mock_dataset import MockIndexedDataset
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.deepspeed import config as deepspeed_config
 from distlab.gpt.deepspeed import engine as deepspeed_engine
-from distlab.gpt.distributed.distrib_optimizer import build_distributed_optimizer, distributed_optimizer_line
 from distlab.gpt.interfaces import MicroBatch, StepBackend, StepResult
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.meters import PeakMeter, cap_device_memory
 from distlab.gpt.native import torch_compile
+from distlab.gpt.optimizer.distrib_optimizer import build_distributed_optimizer, distributed_optimizer_line
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
-from distlab.gpt.optimizer.optimizer import LRSchedule, build_optimizer
+from distlab.gpt.optimizer.optimizer import build_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
+from distlab.gpt.optimizer.optimizer_param_scheduler import LRSchedule
 from distlab.gpt.optimizer.precision import Precision
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
@@ -78,7 +79,8 @@ from distlab.gpt.training import housekeeping, log
 from distlab.gpt.training.fault_handling import startup_timeout_s
 from distlab.gpt.training.flops import flops_line, model_flops_per_iteration
 from distlab.gpt.training.training import LocalBackend, forward_backward, micro_batches, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.log_line import LogLine
 from distlab.rank_process import cap_cpu_threads, network_settings, print_on
 

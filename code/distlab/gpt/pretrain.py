@@ -33,7 +33,6 @@ from distlab.gpt.data.prefetch import Prefetcher
 from distlab.gpt.interfaces import StepResult
 from distlab.gpt.memory.memory_estimate import MemorySetup, estimate
 from distlab.gpt.memory.meters import format_prediction, memory_report, out_of_memory_message
-from distlab.gpt.moe.moe_layer import take_stats
 from distlab.gpt.native import torch_compile
 from distlab.gpt.pipeline_parallel.p2p_communication import PipelineTransferError
 from distlab.gpt.pipeline_parallel.timeline import bubble_summary, save_timeline
@@ -48,6 +47,7 @@ from distlab.gpt.training.fault_handling import (
 )
 from distlab.gpt.training.straggler import StragglerDetector
 from distlab.gpt.training.training import evaluate
+from distlab.gpt.transformer.moe.moe_layer import take_stats
 from distlab.log_line import LogLine
 from distlab.rank_process import print_on
 

@@ -3,7 +3,7 @@
 Megatron-LM's own rules: ``--overlap-param-gather`` only with the distributed optimizer, and only
 with ``--overlap-grad-reduce``. This engine's: the distributed optimizer is its own back end's
 (not DeepSpeed's or FSDP2's, which shard in their own ways), over the hand-written tensor
-parallelism. Everything else is built as Megatron's (``distributed/distrib_optimizer.py``): fp32,
+parallelism. Everything else is built as Megatron's (``optimizer/distrib_optimizer.py``): fp32,
 bf16 and fp16 parameters (fp16 with loss scaling on the shards), interleaved pipelining (each
 model chunk its own buckets), and expert parallelism (the experts' buckets sharded over their
 expert-data-parallel group).

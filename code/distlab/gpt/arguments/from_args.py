@@ -11,8 +11,7 @@ from torch import nn
 
 from distlab.gpt.arguments.groups import PretrainArgs
 from distlab.gpt.arguments.to_configs import ddp_config, flops_config, optimizer_config
-from distlab.gpt.distributed import distrib_optimizer
-from distlab.gpt.optimizer import optimizer
+from distlab.gpt.optimizer import distrib_optimizer, optimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training import flops
 

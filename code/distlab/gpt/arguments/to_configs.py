@@ -9,7 +9,7 @@ arguments. Here ``transformer/``, ``optimizer/``, ``distributed/``, ``checkpoint
 
     model_config        GPTConfig (with moe_config's MoEConfig)     transformer/config.py
     optimizer_config    OptimizerConfig                             optimizer/optimizer_config.py
-    lr_schedule         LRSchedule (in samples)                     optimizer/optimizer.py
+    lr_schedule         LRSchedule (in samples)                     optimizer/optimizer_param_scheduler.py
     precision_config    Precision                                   optimizer/precision.py
     ddp_config          DistributedDataParallelConfig               distributed/distributed_data_parallel_config.py
     checkpoint_config   CheckpointConfig                            checkpointing/checkpoint_config.py
@@ -30,14 +30,14 @@ from distlab.gpt.arguments.groups import PretrainArgs
 from distlab.gpt.arguments.parser import as_list, profile_ranks
 from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from distlab.gpt.moe.moe_layer import MoEConfig
-from distlab.gpt.optimizer.optimizer import LRSchedule
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
+from distlab.gpt.optimizer.optimizer_param_scheduler import LRSchedule
 from distlab.gpt.optimizer.precision import Precision
 from distlab.gpt.training.flops import FlopsConfig
 from distlab.gpt.training.housekeeping import HousekeepingConfig
 from distlab.gpt.training.log import LoggingConfig, ProfilerConfig
 from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.moe.moe_layer import MoEConfig
 from distlab.gpt.transformer.recompute import granularity_of
 
 
@@ -113,7 +113,7 @@ def optimizer_config(args: PretrainArgs) -> OptimizerConfig:
 
 
 def lr_schedule(args: PretrainArgs) -> LRSchedule:
-    """Warm-up and decay in samples (``optimizer.py``'s table): from ``--lr-decay-iters`` and
+    """Warm-up and decay in samples (``optimizer_param_scheduler.py``'s table): from ``--lr-decay-iters`` and
     ``--lr-warmup-iters`` (or ``--lr-warmup-fraction``) times the global batch B, or with
     ``--train-samples`` from ``--lr-decay-samples`` and ``--lr-warmup-samples`` (or the fraction)."""
     batch = args.global_batch_size or 1  # set by validate_args; 1 for bare arguments

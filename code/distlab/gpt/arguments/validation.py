@@ -28,9 +28,9 @@ from distlab.gpt.arguments.refused import refused_errors
 from distlab.gpt.arguments.samples import decoupled_lr_errors, length_errors, train_iters_from_samples
 from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
 from distlab.gpt.model_layout import ModelShape, model_layout_errors
-from distlab.gpt.moe.moe_layer import config_errors
-from distlab.gpt.moe.router import LOAD_BALANCING_TYPES
 from distlab.gpt.pipeline_parallel.schedules import check_schedule
+from distlab.gpt.transformer.moe.moe_layer import config_errors
+from distlab.gpt.transformer.moe.router import LOAD_BALANCING_TYPES
 from distlab.gpt.transformer.recompute import granularity_of, recompute_errors
 
 

@@ -56,7 +56,7 @@ from torch import nn
 from distlab.distributed import DistContext
 from distlab.gpt.checkpointing import durable
 from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
-from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
+from distlab.gpt.optimizer.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker
 

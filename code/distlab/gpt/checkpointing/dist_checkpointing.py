@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.state_dict import (
 from distlab.gpt.checkpointing import checkpointing, durable, tp_chunks
 from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.checkpointing.checkpointing import Snapshot
-from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer, check_layout
+from distlab.gpt.optimizer.distrib_optimizer import DistributedOptimizer, check_layout
 from distlab.gpt.parallel_state import ParallelState
 
 COMMON = "common.pt"  # Megatron-LM's name for the state every rank shares

@@ -1,2 +1,2 @@
-"""Data-parallel gradients: buckets and the finalisation after the backward, and the distributed
-optimizer's buffers and shards (Megatron Core's ``distributed/`` and ``optimizer/distrib_optimizer.py``)."""
+"""Data-parallel gradients: buckets and their reduction after the backward, and the distributed
+optimizer's buffers (Megatron Core's ``distributed/``)."""

@@ -2,7 +2,7 @@
 the fields used here (``megatron/core/distributed/distributed_data_parallel_config.py``).
 
 Built from the command line once, by ``arguments/to_configs.py``; read by the distributed
-optimizer's buffers (``distrib_optimizer.py``) and by the run's plain data-parallel back end.
+optimizer's buffers (``optimizer/distrib_optimizer.py``) and by the run's plain data-parallel back end.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from distlab.gpt.parallel_state import ParallelState
 
 
 def is_expert(p: nn.Parameter) -> bool:
-    """An expert's parameter (``moe/moe_layer.py`` marks them): with ep > 1 reduced over its own group,
+    """An expert's parameter (``transformer/moe/moe_layer.py`` marks them): with ep > 1 reduced over its own group,
     not in the dense buckets (``gradients.reduce_gradients``; the distributed optimizer's expert buckets)."""
     return getattr(p, "expert_parallel", False)
 

@@ -28,7 +28,7 @@ Megatron wraps each chunk in its own ``DistributedDataParallel``: no bucket mixe
 chunk's buckets start their reduce-scatters in that chunk's last backward.
 
 Bytes per parameter on a rank (parameters in ``k`` bytes): ``k`` for the parameter and 4 for its
-fp32 gradient here (2 in bf16); ``distrib_optimizer.py`` adds the 12 / d (bf16: fp32 main copy + two moments)
+fp32 gradient here (2 in bf16); ``optimizer/distrib_optimizer.py`` adds the 12 / d (bf16: fp32 main copy + two moments)
 or 8 / d (fp32: the moments; the parameter is its own main copy).
 
 ``overlap_grad_reduce``: the last gradient of a bucket accumulated during the step's last

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
-from distlab.gpt.transformer.model import GPTConfig
+from distlab.gpt.transformer.config import GPTConfig
 
 StateDict = dict[str, torch.Tensor]
 

@@ -43,7 +43,8 @@ from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import families
 from distlab.gpt.inference.architecture import Architecture, ConversionError, StateDict
 from distlab.gpt.tensor_parallel.layers import shard, unshard
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?$")
 

@@ -25,7 +25,7 @@ import torch
 
 from distlab.gpt.inference.architecture import ConversionError
 from distlab.gpt.inference.kv_cache import KVCache
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ biases on every linear layer and LayerNorm. With H hidden, n heads of d = H / n,
                                               (``tie_word_embeddings``; read only to check it is wte)
 
 The course's column-parallel qkv keeps each head's q, k and v next to each other so that a
-contiguous slice of rows is whole heads on a tp rank (``transformer/model.py``); GPT-2 splits
+contiguous slice of rows is whole heads on a tp rank (``transformer/gpt_model.py``); GPT-2 splits
 c_attn's output into three H-wide blocks. Configuration: ``layer_norm_epsilon`` is the run's
 ``--norm-epsilon`` (Megatron's default 1e-5, GPT-2's too); ``activation_function``
 is ``"gelu"``, the exact erf GeLU of ``F.gelu`` (GPT-2's own ``"gelu_new"`` is the tanh
@@ -42,7 +42,7 @@ import torch
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.inference.architecture import Architecture, ConversionError, Needs, StateDict, unmet
-from distlab.gpt.transformer.model import GPTConfig
+from distlab.gpt.transformer.config import GPTConfig
 
 #: GPT-2 options whose other values compute something the course GPT does not.
 MUST_BE = {

@@ -40,7 +40,7 @@ from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.inference import families
 from distlab.gpt.inference.architecture import Architecture, ConversionError, StateDict
 from distlab.gpt.inference.course_checkpoint import meta_state_dict
-from distlab.gpt.transformer.model import GPTConfig
+from distlab.gpt.transformer.config import GPTConfig
 
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("vocab.json", "merges.txt")

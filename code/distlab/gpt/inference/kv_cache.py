@@ -17,7 +17,7 @@ by b n d multiply-adds per cached position (Megatron Core's static inference con
 preallocated buffers too; transformers' ``DynamicCache`` grows by concatenation).
 
 The model calls only :meth:`KVCache.layer` and :meth:`LayerCache.update`
-(``transformer/model.py``); the generation loop calls :meth:`KVCache.advance` after each forward.
+(``transformer/gpt_model.py``); the generation loop calls :meth:`KVCache.advance` after each forward.
 """
 
 from __future__ import annotations

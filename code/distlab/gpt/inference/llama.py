@@ -55,7 +55,7 @@ import torch
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.inference.architecture import Architecture, ConversionError, Needs, StateDict, unmet
-from distlab.gpt.transformer.model import GPTConfig
+from distlab.gpt.transformer.config import GPTConfig
 
 #: The flags of the course's Llama (dense or MoE alike; the MLP is each family's).
 NEEDS: Needs = {

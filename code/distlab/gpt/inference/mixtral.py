@@ -3,12 +3,12 @@
 A Mixtral is the Llama of ``llama.py`` (embeddings, RMSNorms, grouped-query attention with RoPE,
 untied or tied output: the same mapping) whose every MLP is a mixture of E SwiGLU experts with top-k
 routing: the course's ``--num-experts E --moe-router-topk k --swiglu --disable-bias-linear``
-(``moe/``). Per block l and expert e, F = ``--ffn-hidden-size`` (``intermediate_size``)::
+(``transformer/moe/``). Per block l and expert e, F = ``--ffn-hidden-size`` (``intermediate_size``)::
 
     course                                    Mixtral's safetensors (``model.layers.l.`` before each)
     layers.l.mlp.router.weight        (E, H)  block_sparse_moe.gate.weight               same
     layers.l.mlp.experts.e.fc1.weight (2F, H) block_sparse_moe.experts.e.w1.weight = rows [:F] (gate)
-        [W_gate; W_up] (``moe/experts.py``)   block_sparse_moe.experts.e.w3.weight = rows [F:] (up)
+        [W_gate; W_up] (``transformer/moe/experts.py``)   block_sparse_moe.experts.e.w3.weight = rows [F:] (up)
     layers.l.mlp.experts.e.fc2.weight (H, F)  block_sparse_moe.experts.e.w2.weight (down)  same
 
 These are the names in the file. transformers 5 holds the experts fused in memory
@@ -19,7 +19,7 @@ the course's fc1, and ``mlp.experts.down_proj`` (E, H, F); the router is ``mlp.g
 checked). A file in the fused names is refused by the shape check (names not in the configuration).
 
 **Routing computes the same weights.** The course takes the top-k router logits and a softmax over
-those k (``moe/router.py``, Megatron's default); Mixtral (``MixtralTopKRouter``) a softmax over all E,
+those k (``transformer/moe/router.py``, Megatron's default); Mixtral (``MixtralTopKRouter``) a softmax over all E,
 the top k of it, divided by their sum: exp(z_i) / sum_{j in top-k} exp(z_j) both, over the same k
 experts (the softmax keeps the order). Each expert is silu(x W_gate^T) * (x W_up^T) W_down^T, the
 output the routing weights' sum, dropless on both sides (so no ``--moe-expert-capacity-factor``).
@@ -39,7 +39,7 @@ import torch
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.inference import llama
 from distlab.gpt.inference.architecture import Architecture, ConversionError, Needs, StateDict, unmet
-from distlab.gpt.transformer.model import GPTConfig
+from distlab.gpt.transformer.config import GPTConfig
 
 NEEDS: Needs = {
     "num_experts": (lambda e: e is not None, "--num-experts E"),

@@ -35,7 +35,9 @@ from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, block_bytes, korthikanti_layer_bytes
 from distlab.gpt.native.dtensor_parallel import IMPLEMENTATIONS, as_nn_linear, block_plan
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.transformer.model import Block, GPTConfig, init_parameters
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import init_parameters
+from distlab.gpt.transformer.transformer_layer import Block
 
 LINE = (
     "activations per layer: rank {rank} tp {tp} sequence-parallel {sp} s {s} b {b} h {h} a {a}: "

@@ -29,7 +29,8 @@ from distlab.gpt.context_parallel.ring_attention import Ring, RingAttention, pai
 from distlab.gpt.layout import Layout
 from distlab.gpt.memory.memory_estimate import MemorySetup, stage_layers_bytes
 from distlab.gpt.parallel_state import ParallelState
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_ranks import free_port, torchrun_env
 
 MiB = 2**20

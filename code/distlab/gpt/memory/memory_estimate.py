@@ -423,7 +423,7 @@ def _with_gradients(c: MemorySetup, grad_bytes: float) -> float:
 
 
 def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
-    """``--use-distributed-optimizer`` (``distributed/distrib_optimizer.py``): parameters in the
+    """``--use-distributed-optimizer`` (``optimizer/distrib_optimizer.py``): parameters in the
     run's dtype and the gradient buffer whole, the fp32 copies and moments over d = dp x cp::
 
         fp32                      4 + 4 + 8 / d                 =  8 +  8 / d

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
+from distlab.gpt.optimizer.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.optimizer.optimizer import is_dtensor
 from distlab.log_line import LogLine, Opt
 

@@ -62,7 +62,7 @@ from torch.distributed.tensor.parallel import (
 
 from distlab.gpt.layout import ORDER, Layout
 from distlab.gpt.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 IMPLEMENTATIONS = ("megatron", "dtensor")
 

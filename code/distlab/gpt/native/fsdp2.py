@@ -59,7 +59,7 @@ from distlab.gpt.interfaces import StepOutcome, mean_backward
 from distlab.gpt.native.dtensor_parallel import reduce_partial_gradients
 from distlab.gpt.optimizer.optimizer import step_unless
 from distlab.gpt.optimizer.precision import Precision
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 if TYPE_CHECKING:
     from distlab.gpt.arguments import PretrainArgs

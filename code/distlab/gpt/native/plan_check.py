@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from distlab.distributed import init_distributed, shutdown
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_ranks import free_port, torchrun_env
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=128, max_position_embeddings=16)

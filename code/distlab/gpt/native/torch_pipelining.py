@@ -2,7 +2,7 @@
 
 With L blocks over S stages (``S = pp`` for GPipe and 1F1B; ``S = v pp`` for the interleaved
 schedules, rank r holding stages r, r + pp, ...), stage s holds blocks ``[s L / S, (s + 1) L / S)``
-(``model.GPTModel`` with pp = S, keyed by their global index, so every stage draws the weights of
+(``gpt_model.GPTModel`` with pp = S, keyed by their global index, so every stage draws the weights of
 one process), the first also the embeddings, the last the final LayerNorm and its own copy of E::
 
     stage 0      tokens (b, T) -> h (b, T, H)
@@ -72,7 +72,8 @@ from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
 from distlab.gpt.pipeline_parallel.schedules import PipelineForwardBackward
 from distlab.gpt.pipeline_parallel.timeline import PipelineTimeline
 from distlab.gpt.training.training import LocalBackend, train_step
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 from distlab.local_ranks import free_port, torchrun_env
 
 #: Name -> (schedule class, stages per rank).

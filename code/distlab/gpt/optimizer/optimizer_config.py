@@ -38,7 +38,7 @@ class OptimizerConfig:
     """Clip the global gradient norm to this (0: off)."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer: fp32 main parameters and moments sharded over dp x cp
-    (``distributed/distrib_optimizer.py``), built with a ``DistributedDataParallelConfig``."""
+    (``optimizer/distrib_optimizer.py``), built with a ``DistributedDataParallelConfig``."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:

@@ -22,11 +22,11 @@ of ``L / (p v)`` layers and runs Megatron's interleaved order; bubble ``(p-1)/(v
 
 Communication: only the named steps of ``p2p_communication.py``, each one batch of point-to-point
 operations. Gradient finalisation (tied embedding, data parallel, norm, clipping) follows the
-schedule, in ``distributed/gradients.py``; with ``--overlap-grad-reduce`` the data-parallel buckets
+schedule, in ``optimizer/clip_grads.py``; with ``--overlap-grad-reduce`` the data-parallel buckets
 start during each chunk's last backward (``B3`` above), told by the back end's ``grad_sync``.
 
 Tied embedding: the first stage holds E for the input, the last stage a copy for the logits;
-both start equal (``model.init_parameters``) and stay equal (``gradients.reduce_gradients``).
+both start equal (``gpt_model.init_parameters``) and stay equal (``gradients.reduce_gradients``).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def forward_backward_pipeline(
     reduction of its gradients (``--overlap-grad-reduce``); the back end finishes it after the
     schedule. ``chunks = v > 1``: interleaved 1F1B, ``step(x, i, chunk)``.
     Returns the m per-micro-batch losses (detached, unscaled) on the last stage, ``[]``
-    elsewhere. Finalise the gradients afterwards (``gradients.finalize_gradients``).
+    elsewhere. Finalise the gradients afterwards (``clip_grads.finalize_gradients``).
     """
     check_schedule(schedule, chunks)
     m = num_microbatches

@@ -28,7 +28,7 @@ engine itself computes under autocast from fp32 weights). The step runs through 
 back end (``LocalBackend``): the dp all-reduce of fp32 gradient buckets (Megatron's DDP), or with
 --use-distributed-optimizer its reduce-scatters of the gradient buckets (fp32; fp16 with --fp16, bf16
 with --grad-reduce-in-bf16, as Megatron's) and all-gathers of the parameters
-(``distributed/distrib_optimizer.py``); the norm's value, which meta tensors lack, ends
+(``optimizer/distrib_optimizer.py``); the norm's value, which meta tensors lack, ends
 the step after its last reduction, and the distributed optimizer's all-gathers are started then.
 Left out: the loss's mean (one fp32 scalar all-reduced over dp x
 cp and broadcast over pp), whose value a dry run does not have. With experts (``--num-experts``)

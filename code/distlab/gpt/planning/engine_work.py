@@ -24,7 +24,7 @@ ring; a fused ring sends the g / tp groups); backward cp - 1 of K and V again an
 gradient accumulator. K/V rounds are posted before a step's blocks and waited after them; the
 engine waits for a gradient round as soon as it is posted.
 
-**Experts** (``moe/``): every block's MLP is E experts of the dense MLP's shape, each token goes to
+**Experts** (``transformer/moe/``): every block's MLP is E experts of the dense MLP's shape, each token goes to
 k of them (``--moe-router-topk``); the model FLOPs count the k MLPs (``training/flops.py``, as
 Megatron-LM), not the router's 2 H E per token, which the experts also execute. Per layer and
 micro-batch of N tokens (R = k N routed pairs, bytes of the run's dtype), over the G = tp x ep
@@ -178,7 +178,7 @@ def head_collectives(args: PretrainArgs, layout: Layout, S: float) -> list[tuple
 
 def expert_parameters(args: PretrainArgs, layout: Layout) -> float:
     """One rank's expert parameters on its stage: (l / pp) (E / ep) experts of fc1 (g F / tp, H) and
-    fc2 (H, F / tp), g = 2 with SwiGLU, with their biases (``moe/experts.py``); their gradients are
+    fc2 (H, F / tp), g = 2 with SwiGLU, with their biases (``transformer/moe/experts.py``); their gradients are
     reduced over the expert-data-parallel group, not with the dense ones."""
     if args.num_experts is None or layout.ep == 1:
         return 0.0
@@ -191,7 +191,7 @@ def expert_parameters(args: PretrainArgs, layout: Layout) -> float:
     return args.num_layers / layout.pp * args.num_experts / layout.ep * per_expert
 
 
-#: Bytes per parameter of a step's update, fp32 (``distributed/gradients.py``, ``optimizer/optimizer.py``):
+#: Bytes per parameter of a step's update, fp32 (``optimizer/clip_grads.py``, ``optimizer/optimizer.py``):
 #: the norm reads the gradient (4), clipping scales it (8), fused AdamW reads the parameter, the
 #: gradient and both moments and writes the parameter and the moments (28).
 UPDATE_BYTES = 40

@@ -21,7 +21,8 @@ import torch
 
 from distlab.gpt.inference.kv_cache import KVCache
 from distlab.gpt.training.flops import counted_flops
-from distlab.gpt.transformer.model import GPTConfig, GPTModel
+from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.gpt_model import GPTModel
 
 #: Llama 3 8B's widths (Llama 3 paper, 2024, Table 3; the released vocabulary of 128,256) and a
 #: sequence of 8,192 tokens: L, H, n query heads, V, S.

@@ -151,7 +151,7 @@ def counted_flops(
     from torch.utils.checkpoint import set_checkpoint_early_stop
     from torch.utils.flop_counter import FlopCounterMode
 
-    from distlab.gpt.transformer.model import GPTModel  # the model imports this module's neighbours
+    from distlab.gpt.transformer.gpt_model import GPTModel  # the model imports this module's neighbours
 
     cfg = GPTConfig(
         num_layers=num_layers,

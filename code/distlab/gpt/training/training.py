@@ -30,9 +30,7 @@ import torch.distributed as dist
 
 from distlab.gpt.context_parallel.ring_attention import ring_of, split_sequence
 from distlab.gpt.data.gpt_dataset import GPTDataset
-from distlab.gpt.distributed.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.distributed.grad_buckets import GradBuckets, default_bucket_size
-from distlab.gpt.distributed.gradients import finalize_gradients
 from distlab.gpt.interfaces import (
     AutocastFn,
     BackwardFn,
@@ -44,12 +42,14 @@ from distlab.gpt.interfaces import (
     mean_backward,
     no_grad_sync,
 )
-from distlab.gpt.moe.moe_layer import set_aux_loss_scale
+from distlab.gpt.optimizer.clip_grads import finalize_gradients
+from distlab.gpt.optimizer.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.optimizer.loss_scaler import DynamicLossScaler
 from distlab.gpt.optimizer.optimizer import step_unless
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.training.log import Timer
-from distlab.gpt.transformer.model import GPTModel
+from distlab.gpt.transformer.gpt_model import GPTModel
+from distlab.gpt.transformer.moe.moe_layer import set_aux_loss_scale
 
 
 def micro_batches(
@@ -110,7 +110,7 @@ def reduce_loss(loss: torch.Tensor, state: ParallelState) -> torch.Tensor:
 
 
 class LocalBackend:
-    """This engine's own step: plain backward of ``loss_k x S / m``, then ``distributed/gradients.py``'s
+    """This engine's own step: plain backward of ``loss_k x S / m``, then ``optimizer/clip_grads.py``'s
     finalisation (tied embedding, dp all-reduce, fp16 unscale, norm, clip) and the optimizer.
 
     The dp all-reduce runs in ``grad_buckets`` (default: one bucket, after backward); with

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distlab.gpt.moe.moe_layer import MoEConfig
+from distlab.gpt.transformer.moe.moe_layer import MoEConfig
 from distlab.gpt.transformer.recompute import ATTENTION_BACKENDS
 
 #: ``--normalization``'s and ``--position-embedding-type``'s choices built here.

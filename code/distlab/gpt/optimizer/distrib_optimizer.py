@@ -45,8 +45,8 @@ from torch import nn
 
 from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from distlab.gpt.distributed.grad_buckets import default_bucket_size
-from distlab.gpt.distributed.gradients import Gradients, clip_gradients, counted_in_norm, square_sum
 from distlab.gpt.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from distlab.gpt.optimizer.clip_grads import Gradients, clip_gradients, counted_in_norm, square_sum
 from distlab.gpt.optimizer.loss_scaler import unscale_and_check
 from distlab.gpt.optimizer.optimizer import group_key, make_optimizer
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
@@ -101,7 +101,7 @@ class DistributedOptimizer:
     def finalize_gradients(
         self, tied_weight: torch.Tensor | None, *, loss_scale: float | None, clip_grad: float
     ) -> Gradients:
-        """``gradients.finalize_gradients``'s steps on the shards: the tied embedding's two stages
+        """``clip_grads.finalize_gradients``'s steps on the shards: the tied embedding's two stages
         summed (whole, before its bucket's reduce-scatter), the reduce-scatters, the
         sequence-parallel sum over tp (the tp ranks' buffers have one layout), fp16's unscale, the
         norm (the shards' squares summed over dp x cp, then tp and pp) and clipping."""
@@ -128,7 +128,7 @@ class DistributedOptimizer:
                 dist.all_reduce(total, group=group)
         norm = total.sqrt()
         clip_gradients(pieces, clip_grad, norm)  # by 1 when the norm is not finite: left as they are
-        return Gradients(norm)  # on the device, as gradients.finalize_gradients
+        return Gradients(norm)  # on the device, as clip_grads.finalize_gradients
 
     @torch.no_grad()
     def step(self) -> None:

@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.gpt.moe.experts import ExpertMLP
-from distlab.gpt.moe.router import load_balancing_loss, route
-from distlab.gpt.moe.token_dispatcher import DISPATCH, ExpertGroup
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.layers import mark_sequence_parallel
+from distlab.gpt.transformer.moe.experts import ExpertMLP
+from distlab.gpt.transformer.moe.router import load_balancing_loss, route
+from distlab.gpt.transformer.moe.token_dispatcher import DISPATCH, ExpertGroup
 
 
 @dataclass
@@ -130,7 +130,7 @@ class _AuxLossScaler(torch.autograd.Function):
 
 class MoELayer(nn.Module):
     """Router and this rank's ``E / ep`` experts (their etp shards), keyed by their global index
-    (so that ``model.init_parameters`` gives expert e the same weights on every layout)."""
+    (so that ``gpt_model.init_parameters`` gives expert e the same weights on every layout)."""
 
     def __init__(self, cfg: MoEConfig, hidden: int, ffn: int, state: ParallelState | None = None) -> None:
         super().__init__()

@@ -1,4 +1,5 @@
-"""GPT for one pipeline stage: pre-norm blocks; GPT-2's or Llama's (``transformer/config.py``).
+"""GPT for one pipeline stage (Megatron Core's ``models/gpt/gpt_model.py``): the embedding, pre-norm
+blocks (``transformer_layer.py``) and the output layer; GPT-2's or Llama's (``transformer/config.py``).
 
 For tokens ``x`` (b, T) (one micro-batch) and L blocks (notation: ``distlab.gpt``'s legend)::
 
@@ -35,7 +36,7 @@ initialiser makes it equal to the first stage's E (same name, same seed), and ``
 sums the two gradients, so they stay equal. Untied (``--untie-embeddings-and-output-weights``), the
 last stage's ``output_layer`` is a weight of its own, drawn from its own name, and nothing is summed.
 
-Mixture of experts (``moe/moe_layer.py``, ``moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
+Mixture of experts (``transformer/moe/moe_layer.py``, ``transformer/moe/expert_parallel.py``; ``GPTConfig.moe``): every block's MLP
 becomes a router and E experts, split over the ep ranks of the layout's expert groups (and over
 tp, etp = tp); each layer attaches its ``coeff l_aux`` to its output for backward (the returned
 values stay the lm loss).
@@ -78,74 +79,27 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from distlab.gpt.context_parallel.ring_attention import Ring, positions, ring_of
+from distlab.gpt.context_parallel.ring_attention import positions, ring_of
 from distlab.gpt.layout import Layout
 from distlab.gpt.model_layout import ModelShape, check_model_layout
-from distlab.gpt.moe.moe_layer import MoELayer
 from distlab.gpt.parallel_state import ParallelState
+from distlab.gpt.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from distlab.gpt.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     mark_sequence_parallel,
     parallel_lm_logits,
     shard,
-    vocab_parallel_cross_entropy,
 )
 from distlab.gpt.tensor_parallel.mappings import gather_from_tensor_parallel
 from distlab.gpt.tensor_parallel.rng_tracker import checkpoint, fork_if
-from distlab.gpt.transformer.attention import SelfAttention
 from distlab.gpt.transformer.config import GPTConfig
-from distlab.gpt.transformer.mlp import MLP
-from distlab.gpt.transformer.norms import Norm
 from distlab.gpt.transformer.recompute import checkpoint_groups, recompute_errors
 from distlab.gpt.transformer.rope import rotary_angles
+from distlab.gpt.transformer.transformer_layer import Block, build_norm
 
 if TYPE_CHECKING:  # the cache lives in inference/, above this layer: the model only calls it
-    from distlab.gpt.inference.kv_cache import KVCache, LayerCache
-
-__all__ = ["Block", "GPTConfig", "GPTModel", "init_parameters"]
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: per direction, one f and one g around attention and
-    around the MLP, so 2 all-reduces forward and 2 backward when tp > 1. With sequence
-    parallelism: 2 all-gathers and 2 reduce-scatters forward; backward 2 reduce-scatters and
-    4 all-gathers (2 of them gather the GEMM inputs again for the weight gradients)."""
-
-    def __init__(
-        self, cfg: GPTConfig, group, state: ParallelState | None = None, ring: Ring | None = None
-    ) -> None:
-        super().__init__()
-        self.ln1 = _norm(cfg)
-        self.attn = SelfAttention(cfg, group, ring)
-        self.ln2 = _norm(cfg)
-        if cfg.moe is None:
-            self.mlp = MLP(cfg, group)
-        else:  # the experts of this rank's place in its expert-parallel group
-            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn, state)
-        self.drop = nn.Dropout(cfg.hidden_dropout)
-        self.dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
-        #: The residual stream is this rank's T / tp positions (SP, this engine's or DTensor's,
-        #: which sets it): its dropout draws from the model-parallel stream, as Megatron forks the
-        #: whole block under SP. Else the hidden dropout after g draws from the default stream,
-        #: the same mask on every tp rank, as the (b, T, H) it drops out is.
-        self.sequence_parallel = cfg.sequence_parallel
-        if cfg.sequence_parallel:
-            for p in (*self.ln1.parameters(), *self.ln2.parameters()):
-                mark_sequence_parallel(p)
-
-    def forward(
-        self, x: torch.Tensor, *, rotary: torch.Tensor | None = None, cache: LayerCache | None = None
-    ) -> torch.Tensor:
-        """(b, T, H) -> (b, T, H), T/tp with SP; ``rotary``: RoPE's (T, d_rot) angles or None;
-        ``cache``: this block's keys and values so far (generation)."""
-        with fork_if(self.sequence_parallel and self.dropout and self.training):
-            x = x + self.drop(self.attn(self.ln1(x), rotary=rotary, cache=cache))
-            return x + self.drop(self.mlp(self.ln2(x)))
-
-
-def _norm(cfg: GPTConfig) -> Norm:
-    return Norm(cfg.hidden_size, cfg.normalization, cfg.layernorm_epsilon, cfg.layernorm_zero_centered_gamma)
+    from distlab.gpt.inference.kv_cache import KVCache
 
 
 class GPTModel(nn.Module):
@@ -202,7 +156,7 @@ class GPTModel(nn.Module):
             }
         )
         if self.is_last:
-            self.ln_f = _norm(cfg)
+            self.ln_f = build_norm(cfg)
             if cfg.untie_embeddings_and_output_weights:  # its own (V / tp, H), vocabulary-parallel
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size, cfg.vocab_size, group=self.tp_group, bias=False, sequence_parallel=sp

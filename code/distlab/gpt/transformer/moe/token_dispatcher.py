@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.gpt.moe.expert_parallel import DispatchPlan, combine, dispatch
 from distlab.gpt.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel
+from distlab.gpt.transformer.moe.expert_parallel import DispatchPlan, combine, dispatch
 
 
 @dataclass(frozen=True)
