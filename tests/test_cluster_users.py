@@ -327,3 +327,26 @@ def test_workspace_is_the_learners_own_and_kept(cluster, checkout, learners):
         [sys.executable, "-c", code], env={**os.environ, "LAB_ROOT": str(ws)}, capture_output=True
     )
     assert out.stdout.decode().strip() == str(ws)
+
+
+def test_removing_a_throwaway_user_ends_their_processes_first(cluster, checkout):
+    """``userdel`` refuses a user who still runs a process (a job step that outlives ``scancel``):
+    ``users.remove`` gives their processes a grace period, then kills them, then deletes the user."""
+    name = "labtest3"
+    if users.lookup(name) is not None and pwd.getpwnam(name).pw_gecos != users.COMMENT:
+        pytest.skip(f"a user {name} exists and is not one the lab made: not touching it")
+    users.ensure(name, cluster, checkout)
+    survivor = subprocess.Popen(
+        ["runuser", "-u", name, "--", "sleep", "300"]
+    )  # ignores no signal, never ends
+    try:
+        wait_until(lambda: subprocess.run(["pgrep", "-u", name], capture_output=True).returncode == 0, 10)
+        started = time.monotonic()
+        users.remove(name, cluster, grace_s=1.0)
+        assert users.lookup(name) is None
+        assert survivor.wait(timeout=10) != 0  # killed, not finished
+        assert time.monotonic() - started < 15
+    finally:
+        survivor.kill()
+        if users.lookup(name) is not None:
+            users.remove(name, cluster)

@@ -24,6 +24,7 @@ import os
 import pwd
 import re
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,11 +151,33 @@ def prepare_workspace(learner: Learner, checkout: Path = CHECKOUT, folder: str =
     return ws
 
 
-def remove(name: str, p: ClusterPaths | None = None) -> None:
-    """Delete ``name``'s account, home and association: for throwaway users (tests)."""
+def remove(name: str, p: ClusterPaths | None = None, grace_s: float = 10.0) -> None:
+    """Delete ``name``'s account, home and association: for throwaway users (tests). Their
+    processes go first: a job just cancelled (``scancel`` returns before its steps are gone) gets
+    ``grace_s`` to end, then is killed, as ``userdel`` refuses a user who still runs one."""
     if p is not None:
         accounting.remove_user(p, name)
     if lookup(name) is not None:
+        _end_processes(name, grace_s)
         out = subprocess.run(["userdel", "--remove", name], capture_output=True, text=True, timeout=30)
         if out.returncode != 0:
             raise ClusterError(f"`userdel --remove {name}` failed ({out.returncode}): {out.stderr.strip()}")
+
+
+def _end_processes(name: str, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for ``name``'s processes to end, then SIGKILL the rest and wait for them."""
+    deadline = time.monotonic() + grace_s
+    while _running(name):
+        if time.monotonic() > deadline:
+            subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True, timeout=10)
+            if time.monotonic() > deadline + 10:
+                pids = _running(name)
+                raise ClusterError(
+                    f"{name}'s processes {pids} survived SIGKILL for 10 s: cannot remove {name}"
+                )
+        time.sleep(0.2)
+
+
+def _running(name: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-u", name], capture_output=True, text=True, timeout=10)
+    return [int(pid) for pid in out.stdout.split()]
