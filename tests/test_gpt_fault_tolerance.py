@@ -36,7 +36,7 @@ from distlab.gpt.build import BATCH
 from distlab.gpt.checkpointing.checkpointer import SAVED
 from distlab.gpt.checkpointing.checkpointing import resume_line
 from distlab.gpt.pretrain import EXIT_SIGNAL, HANG
-from distlab.gpt.training.fault_handling import ExitSignal
+from distlab.gpt.training.fault_handling import ExitSignal, is_hang
 from distlab.gpt.training.log import ITERATION
 from distlab.local_ranks import free_port, torchrun_env
 from distlab.local_runs import prepare_data
@@ -501,3 +501,15 @@ def test_save_costs_tell_a_save_that_ran_beside_training_from_one_that_blocked()
     blocked = [(t - 1.0, t) for _, t in measured]  # the write done before the save returned
     assert not restarts.save_costs(log([543.4], blocked))["overlapped"]
     assert restarts.save_costs(log([543.4], []))["async_saves"] == 0
+
+
+def test_a_peer_that_timed_out_first_makes_this_rank_a_survivor_of_the_hang() -> None:
+    """gloo's two texts of a hang: this rank's own timeout, or a peer's a moment earlier (it closes
+    its connections: seen in CI, where rank 3 then crashed before the report and took it with it).
+    A peer that crashed closes them long before the timeout: no hang."""
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.11]:52109")
+    assert is_hang(RuntimeError("Timed out waiting 6000ms for recv operation to complete"), 6.0, 6.0)
+    assert is_hang(closed, waited_s=5.9, timeout_s=6.0)
+    assert not is_hang(closed, waited_s=0.2, timeout_s=6.0)  # a crash, not a hang
+    assert not is_hang(RuntimeError("CUDA error: an illegal memory access"), 60.0, 6.0)
+    assert not is_hang(ValueError("Timed out waiting"), 6.0, 6.0)

@@ -28,8 +28,9 @@ import contextlib
 import functools
 import importlib
 import socket
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -123,6 +124,7 @@ class Run:
     iteration: int = 0
     consumed: int = 0  # samples
     saved_at: int | None = None
+    progress_at: float = field(default_factory=time.monotonic)  # when this iteration (or the run) began
 
     @property
     def rank0(self) -> bool:

@@ -18,6 +18,7 @@ loss lives with pipeline parallelism).
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from distlab.gpt.training import housekeeping, log
 from distlab.gpt.training.fault_handling import (
     HANG_GRACE_S,
     ExitSignal,
-    is_timeout,
+    is_hang,
     set_training_timeout,
     startup_timeout_s,
 )
@@ -103,8 +104,9 @@ def pretrain(argv: list[str] | None = None) -> dict:
     except torch.OutOfMemoryError as exc:  # CUDA's allocator (and --device-memory-gib's cap)
         raise OutOfMemory(out_of_memory_message(exc, args.micro_batch_size, args.device_memory_gib)) from None
     except RuntimeError as exc:
-        if run is not None and is_timeout(exc):  # a hang: name the ranks and the collective
-            report_hang(run, hosts, exc)
+        waited_s = time.monotonic() - run.progress_at if run is not None else 0.0
+        if run is not None and is_hang(exc, waited_s, 60 * args.distributed_timeout_minutes):
+            report_hang(run, hosts, exc)  # a hang: name the ranks and the collective
         raise
     finally:
         if run is not None:  # else training never started: the collector was never stopped
@@ -139,6 +141,7 @@ def train(run: Run, exit_signal: ExitSignal | None = None) -> dict:
     housekeeping.start_manual_gc(run.housekeeping)
     try:
         while run.iteration < args.train_iters:
+            run.progress_at = time.monotonic()  # a collective that fails: how long it waited (is_hang)
             lr = run.lr_schedule.apply(run.optimizer, run.iteration + 1)
             batch = run.layout.global_batch_at(run.consumed)  # B (a ramp: this step's)
             batches = prefetcher.take(run.consumed, run.layout.micro_batches_at(run.consumed))

@@ -98,9 +98,13 @@ class ExitSignal:
             self._previous = None
 
 
-def is_timeout(exc: BaseException) -> bool:
-    """A gloo collective that waited out the process group's timeout (NCCL's watchdog aborts instead)."""
-    return isinstance(exc, RuntimeError) and "Timed out waiting" in str(exc)
+def is_hang(exc: BaseException, waited_s: float, timeout_s: float) -> bool:
+    """This rank survived a hang: its gloo collective waited out the process group's timeout
+    ("Timed out waiting"), or a peer in the same collective timed out a moment earlier and closed
+    its connections ("Connection closed by peer" after at least half the timeout). A peer that
+    crashed closes them long before the timeout. (NCCL's watchdog aborts the process instead.)"""
+    text = str(exc) if isinstance(exc, RuntimeError) else ""
+    return "Timed out waiting" in text or ("Connection closed by peer" in text and waited_s >= timeout_s / 2)
 
 
 __all__ = [
@@ -108,7 +112,7 @@ __all__ = [
     "SIGNALS",
     "STARTUP_TIMEOUT_S",
     "ExitSignal",
-    "is_timeout",
+    "is_hang",
     "set_training_timeout",
     "startup_timeout_s",
 ]
