@@ -175,8 +175,8 @@ GPT = PACKAGE / "gpt"
 #: layer and those before it (the training loop down to the layers, never back up). Mirrors the
 #: reading order of distlab/gpt/__init__.py's docstring; a new subpackage takes its place here.
 LAYERS = (
-    "model_layout",
     "layout",
+    "model_layout",
     "interfaces",
     "parallel_state",
     "data",

@@ -51,13 +51,13 @@ The map, in reading order: one concern per subpackage; after ``~`` what it mirro
 Core (``megatron/core/``; ``training/`` is ``megatron/training/``). Imports run down this list,
 never up (``tests/test_imports.py`` checks it)::
 
+    layout.py          the dp x tp x pp x cp layout: rank order, batch arithmetic
+                       ~ parallel_state.py's RankGenerator, num_microbatches_calculator.py
+                         (torchtitan's ParallelDims)
     model_layout.py    every rule of a model against a layout (heads, FFN, vocabulary, query
                        groups over tp; the sequence over 2 cp and cp x tp; experts over ep;
                        layers over pp x vp), named and checked by one function
                        ~ the checks of TransformerConfig.__post_init__ and validate_args
-    layout.py          the dp x tp x pp x cp layout: rank order, batch arithmetic
-                       ~ parallel_state.py's RankGenerator, num_microbatches_calculator.py
-                         (torchtitan's ParallelDims)
     interfaces.py      what a step shares: micro-batches, the backward hook, the back end
     parallel_state.py  this rank's coordinates in the layout and its process groups
                        ~ parallel_state.py

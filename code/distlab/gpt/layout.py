@@ -58,8 +58,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from distlab.gpt.model_layout import sequence_parallel_error
-
 #: Dimensions from the fastest-varying rank coordinate to the slowest (Megatron's tp-cp-dp-pp).
 ORDER = ("tp", "cp", "dp", "pp")
 #: How messages name each size, and the flag that sets it (dp has none: it is what remains).
@@ -73,6 +71,17 @@ SIZE_NAMES = {
 #: The dimensions whose ranks hold the same dense weights and different tokens: ``ep`` splits their
 #: product (Megatron, with etp = tp: ep divides dp x cp). A ``cp`` entry of :data:`ORDER` joins them by itself.
 EXPERT_DATA_DIMS = tuple(d for d in ORDER if d in ("cp", "dp"))
+
+
+def sequence_parallel_error(sequence_parallel: bool, tp: int) -> str | None:
+    """Sequence parallelism splits the sequence over the tp ranks: it needs tp > 1 (the layout's
+    own check, before any model)."""
+    if sequence_parallel and tp == 1:
+        return (
+            "--sequence-parallel needs --tensor-model-parallel-size > 1, got 1: sequence parallelism "
+            "splits the sequence over the tensor-parallel ranks; drop the flag or raise the size"
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from distlab.gpt.layout import Layout
+from distlab.gpt.layout import Layout, sequence_parallel_error
 
 
 @dataclass(frozen=True)
@@ -156,17 +154,6 @@ def sequence_over_sp(m: ModelShape, lay: Layout) -> str | None:
 
 def sequence_parallel_needs_tp(m: ModelShape, lay: Layout) -> str | None:
     return sequence_parallel_error(lay.sequence_parallel, lay.tp)
-
-
-def sequence_parallel_error(sequence_parallel: bool, tp: int) -> str | None:
-    """Sequence parallelism splits the sequence over the tp ranks: it needs tp > 1 (the layout's
-    own check, before any model)."""
-    if sequence_parallel and tp == 1:
-        return (
-            f"--sequence-parallel needs {TP} > 1, got 1: sequence parallelism splits the sequence over "
-            f"the tensor-parallel ranks; drop the flag or raise the size"
-        )
-    return None
 
 
 def no_ring_dropout(m: ModelShape, lay: Layout) -> str | None:
