@@ -86,7 +86,7 @@ def from_hf(opts: argparse.Namespace) -> str:
     if hf.tokenizer_files:  # beside the checkpoint: the arguments it saves name them
         os.makedirs(opts.save, exist_ok=True)
         vocab_file, merge_file = hf_checkpoint.copy_tokenizer(hf.tokenizer_files, opts.save)
-        files = {"vocab_file": vocab_file, "merge_file": merge_file}
+        files = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab_file, "merge_file": merge_file}
     args = PretrainArgs(**shape, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by, **files)  # fmt: skip
     cfg = model_config(args, vocab)

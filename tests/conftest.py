@@ -77,7 +77,7 @@ TINY_GPT_ARGV = (
     "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
     "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 "
     "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
-    "--eval-interval 3 --eval-iters 1 --distributed-backend gloo"
+    "--eval-interval 3 --eval-iters 1 --attention-dropout 0 --hidden-dropout 0 --distributed-backend gloo"
 ).split()
 
 

@@ -19,6 +19,8 @@ def files(tmp_path):
     for name in ("vocab.json", "merges.txt", "d.bin", "d.idx"):
         (tmp_path / name).write_text("")
     return [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
         "--vocab-file",
         str(tmp_path / "vocab.json"),
         "--merge-file",
@@ -54,7 +56,8 @@ def check(argv, world=4):
 
 
 def test_valid_command_fills_megatron_defaults(files):
-    args, dims = check([*BASE, *files, "--local-rank", "3", "--profile-execution", "True"])
+    args, dims = check([*BASE, *files, "--local-rank", "3", "--profile-execution", "True", "--profile-step-start", "1",
+                        "--profile-step-end", "3"])  # fmt: skip
     assert (dims.dp, dims.tp, dims.pp) == (4, 1, 1)
     assert args.max_position_embeddings == 32 and args.lr_decay_iters == 10 and args.profile_execution
     args, _ = check([*BASE, *files, "--local_rank=1", "--profile-execution", "False", "--fp16"])
@@ -100,7 +103,7 @@ def test_unknown_argument_is_named(files, capsys):
         (
             ["--profile-execution", "True", "--train-iters", "2"],
             4,
-            "--profile-step-start 1 and --profile-step-end 3 need 1 <= start < end <= --train-iters 2",
+            "--profile-step-start 10 and --profile-step-end 12 need 1 <= start < end <= --train-iters 2",
         ),
         (
             ["--profile-execution", "True", "--profile-step-start", "3", "--profile-step-end", "3"],
@@ -116,8 +119,11 @@ def test_unknown_argument_is_named(files, capsys):
         (["--deepspeed", "--bf16"], 4, "--deepspeed runs in fp32 in this course"),
         (["--deepspeed", "--zero-stage", "4"], 4, "ZeRO stage 4 must be 0, 1, 2 or 3"),
         (["--device-memory-gib", "0"], 4, "--device-memory-gib 0.0 must be > 0"),
-        (["--profile-ranks", "0,4"], 4, "--profile-ranks 0,4: ranks [4] not in world size 4"),
-        (["--profile-ranks", "first"], 4, "expected comma-separated ranks, e.g. 0,2"),
+        (
+            ["--profile-ranks", "0", "4"],
+            4,
+            "--profile-ranks 0 4: ranks [4] not in world size 4: name ranks 0 to 3",
+        ),
     ],
 )
 def test_contradictions_are_refused_with_values(files, extra, world, message):

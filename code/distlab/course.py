@@ -101,17 +101,22 @@ class GPTNotebook:
 
     @property
     def data_args(self) -> str:
-        """``--data-path --vocab-file --merge-file`` of the prepared data."""
+        """``--data-path --tokenizer-type --vocab-file --merge-file`` of the prepared data."""
         d = self.data
-        return f"--data-path {d / DATASET} --vocab-file {d / 'vocab.json'} --merge-file {d / 'merges.txt'}"
+        return (
+            f"--data-path {d / DATASET} --tokenizer-type GPT2BPETokenizer --vocab-file {d / 'vocab.json'} "
+            f"--merge-file {d / 'merges.txt'}"
+        )
 
     def gpt_args(self, *extra: str, log_interval: int = 1) -> str:
-        """The runs' Megatron arguments: the model, ``iters`` iterations of a cosine schedule from
-        1e-3 to 1e-4 after 10% warm-up, one validation batch at the end, the data, then ``extra``."""
+        """The runs' Megatron arguments: the model without dropout (runs of different layouts then
+        compute the same losses), ``iters`` iterations of a cosine schedule from 1e-3 to 1e-4 after 10%
+        warm-up, one validation batch at the end, the data, then ``extra``."""
         s = self.model.seq_length
         return " ".join(
             [
-                f"{self.model.args()} --max-position-embeddings {s} --train-iters {self.iters}",
+                f"{self.model.args()} --max-position-embeddings {s} --attention-dropout 0 --hidden-dropout 0",
+                f"--train-iters {self.iters}",
                 "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-fraction 0.1",
                 f"--log-interval {log_interval} --eval-interval {self.iters} --eval-iters 1 --split 949,50,1",
                 *extra,

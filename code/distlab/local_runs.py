@@ -26,7 +26,7 @@ from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
 
 @dataclass(frozen=True)
 class DataFiles:
-    """What ``--vocab-file``, ``--merge-file`` and ``--data-path`` need."""
+    """What ``--tokenizer-type GPT2BPETokenizer``, ``--vocab-file``, ``--merge-file`` and ``--data-path`` need."""
 
     vocab_file: str
     merge_file: str
@@ -34,6 +34,8 @@ class DataFiles:
 
     def argv(self) -> list[str]:
         return [
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
             "--vocab-file",
             self.vocab_file,
             "--merge-file",

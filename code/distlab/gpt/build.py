@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from distlab.distributed import DistContext
 from distlab.gpt.arguments import PretrainArgs, deepspeed_run_config, parse_split
 from distlab.gpt.arguments.implementations import implementation_lines
+from distlab.gpt.arguments.samples import evaluations_during_training
 from distlab.gpt.arguments.to_configs import (
     checkpoint_config,
     ddp_config,
@@ -353,7 +354,7 @@ def _build_datasets(args: PretrainArgs, tokenizer, rank0: bool) -> list[GPTDatas
     """Train, validation and test samples for every iteration and evaluation of the run, from
     --data-path (memory-mapped unless --no-mmap-bin-files) or Megatron's mock documents (--mock-data)."""
     B = args.global_batch_size
-    n_evals = args.train_iters // args.eval_interval + 1
+    n_evals = evaluations_during_training(args) + 1
     wanted = [args.train_iters * B, n_evals * args.eval_iters * B, args.eval_iters * B]
     if args.mock_data:
         source = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod)

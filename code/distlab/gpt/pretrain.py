@@ -27,6 +27,7 @@ import torch.distributed as dist
 from distlab import flight_recorder
 from distlab.distributed import discover, init_distributed, shutdown
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
+from distlab.gpt.arguments.samples import evaluations_during_training
 from distlab.gpt.build import Run, build_run
 from distlab.gpt.checkpointing.checkpointing import Snapshot
 from distlab.gpt.data.gpt_dataset import GPTDataset
@@ -266,7 +267,7 @@ def log_moe(run: Run, *, due: bool) -> None:
 def maybe_evaluate(run: Run) -> None:
     """Validation every --eval-interval iterations, on the samples after the previous ones."""
     args, valid = run.args, run.datasets[1]
-    if valid is None or not args.eval_iters or run.iteration % args.eval_interval:
+    if valid is None or not args.eval_iters or not args.eval_interval or run.iteration % args.eval_interval:
         return
     first = (run.iteration // args.eval_interval - 1) * args.eval_iters * args.global_batch_size
     run.tlog.history["val_losses"].append(validate(run, f"iteration {run.iteration}", valid, first))
@@ -348,7 +349,7 @@ def finish(run: Run) -> dict:
     if run.iteration == args.train_iters and args.eval_iters:
         _, valid, test = run.datasets
         if valid is not None:
-            first = args.train_iters // args.eval_interval * args.eval_iters * args.global_batch_size
+            first = evaluations_during_training(args) * args.eval_iters * args.global_batch_size
             history["final_val_loss"] = validate(run, "the end of training for val data", valid, first)
         if test is not None:
             label = "the end of training for test data"

@@ -5,7 +5,7 @@
                      joined into PretrainArgs; fields (one flag as a field), training_groups
                      (training, learning rate, checkpoints, precision, validation, logging),
                      data_groups (data, tokenizer), refused (flags parsed only to be refused)
-    parser           argparse built from them; --split and --profile-ranks
+    parser           argparse built from them; --split
     validation       validate_args: everything checked before a process group exists -> the Layout
     architecture     the model's flags (RMSNorm, RoPE, SwiGLU, GQA, ...): Megatron's defaults and rules
     backends         the back ends' flags (DeepSpeed, FSDP2, DTensor, compile, checkpoint formats)
@@ -22,7 +22,6 @@ from distlab.gpt.arguments.parser import (
     build_parser,
     parse_args,
     parse_split,
-    profile_ranks,
 )
 from distlab.gpt.arguments.validation import build_layout, validate_args, virtual_stages
 
@@ -35,7 +34,6 @@ __all__ = [
     "deepspeed_run_config",
     "parse_args",
     "parse_split",
-    "profile_ranks",
     "validate_args",
     "virtual_stages",
 ]

@@ -40,6 +40,13 @@ def data_errors(args: PretrainArgs) -> list[str]:
 def tokenizer_errors(args: PretrainArgs) -> list[str]:
     """The files of --tokenizer-type's kind; Megatron's other kinds refused."""
     kind = args.tokenizer_type
+    if kind is None:
+        return [
+            "--tokenizer-type is required (Megatron-LM has no default): GPT2BPETokenizer with --vocab-file "
+            "and --merge-file (code/train_tokenizer.py writes them), NullTokenizer with --vocab-size, or "
+            f"one of {', '.join(k for k in TOKENIZERS if k not in ('GPT2BPETokenizer', 'NullTokenizer'))} "
+            "with --tokenizer-model"
+        ]
     if kind not in TOKENIZERS:
         return [
             f"--tokenizer-type {kind}: not built in this engine (a GPT pretraining run here tokenizes with "

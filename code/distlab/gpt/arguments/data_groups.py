@@ -31,7 +31,9 @@ class DataArgs:
     data_path: str = _f(None, "prefix of the .bin/.idx dataset, e.g. data/gpt/corpus_text_document")
     data_impl: str = _f("mmap", "indexed dataset implementation (only mmap)", choices=["mmap"])
     split: str = _f(
-        "969,30,1", "train,validation,test proportions of the documents (Megatron reads the numbers in it)"
+        None,
+        "train,validation,test proportions of the documents, e.g. 949,50,1 (with --data-path and none "
+        "given: Megatron's legacy 969,30,1, with a warning)",
     )
     seq_length: int = _f(None, "tokens per sample fed to the model (required)")
     mock_data: bool = _f(
@@ -67,7 +69,7 @@ class TokenizerArgs:
     vocab_file: str = _f(None, "GPT2BPETokenizer: GPT-2-style vocab.json")
     merge_file: str = _f(None, "GPT2BPETokenizer: GPT-2-style merges.txt")
     tokenizer_type: str = _f(
-        "GPT2BPETokenizer",
+        None,
         "GPT2BPETokenizer (--vocab-file, --merge-file); SentencePieceTokenizer, GPTSentencePieceTokenizer, "
         "Llama2Tokenizer (--tokenizer-model: a sentencepiece .model); HuggingFaceTokenizer "
         "(--tokenizer-model: a folder with tokenizer.json); NullTokenizer (--vocab-size)",

@@ -9,4 +9,6 @@ from dataclasses import field
 
 
 def _f(default, help: str, **kw):  # noqa: A002 - argparse's own word
+    if isinstance(default, list):  # a fresh list per instance (dataclasses refuse a shared one)
+        return field(default_factory=default.copy, metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})

@@ -92,8 +92,10 @@ class RegularizationArgs:
     """Dropout, weight decay, clipping, the optimizer's constants (Megatron's
     ``_add_regularization_args``)."""
 
-    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
-    hidden_dropout: float = _f(0.0, "dropout after attention and MLP (Megatron's default is 0.1)")
+    attention_dropout: float = _f(
+        0.1, "dropout on attention probabilities (0 under --context-parallel-size > 1)"
+    )
+    hidden_dropout: float = _f(0.1, "dropout on the embeddings' output and after attention and MLP")
     weight_decay: float = _f(0.01, "decoupled weight decay (not on biases and LayerNorm)")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0: off)")
     adam_beta1: float = _f(0.9, "Adam beta1")
@@ -177,8 +179,10 @@ class DistributedArgs:
     )
     dry_run_rank: int = _f(0, "with --dry-run-world-size: the rank to build (0 to N - 1)")
     distributed_backend: str = _f(None, "nccl or gloo (default: from the hardware)", choices=["nccl", "gloo"])
-    distributed_timeout_minutes: float = _f(5.0, "collectives fail after waiting this long")
-    local_rank: int = _f(None, "set by the legacy torch.distributed.launch; ignored (LOCAL_RANK wins)")
+    distributed_timeout_minutes: float = _f(10.0, "collectives fail after waiting this long")
+    local_rank: int = _f(
+        0, "set by torch.distributed.launch (also as --local_rank); ignored: LOCAL_RANK wins"
+    )
     use_torch_fsdp2: bool = _f(
         False,
         "shard parameters, gradients and optimizer state over the data-parallel ranks with PyTorch's "

@@ -100,7 +100,7 @@ def implementation_lines(args: PretrainArgs, cuda: bool) -> list[str]:
             f"{args.profile_step_start + 1}-{args.profile_step_end}"
             + ("" if cuda else ": no CUDA here, nothing is captured; --use-pytorch-profiler traces them")
         )
-    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
+    if args.vocab_size is not None and args.tokenizer_type not in (None, "NullTokenizer"):
         lines.append(
             f"> --vocab-size {args.vocab_size}: read by NullTokenizer only (as Megatron's tokenizer "
             f"builder); {args.tokenizer_type} brings its own vocabulary"

@@ -1,5 +1,5 @@
 """argparse from :class:`~distlab.gpt.arguments.groups.PretrainArgs`: one flag per field, spelt
-as Megatron spells it, plus the command line's small parsers (``--split``, ``--profile-ranks``)."""
+as Megatron spells it, plus the command line's small parsers (``--split``)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action=meta.pop("action", "store_true"), dest=f.name, help=help_)
         else:
             meta.setdefault("type", kind)
-            parser.add_argument(flag, default=f.default, dest=f.name, help=help_, **meta)
-    parser.add_argument("--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            parser.add_argument(flag, default=default, dest=f.name, help=help_, **meta)
+    parser.add_argument("--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)  # old launchers
     parser.add_argument(  # Megatron-LM's current name for the same field
         "--num-virtual-stages-per-pipeline-rank", type=int, dest="virtual_pipeline_model_parallel_size",
         help="the same as --virtual-pipeline-model-parallel-size",
@@ -77,8 +78,3 @@ def parse_split(split: str) -> list[float]:
 def as_list(value) -> list:
     """A flag of Megatron's ``nargs='+'`` as a list: its default is one value, a given flag a list."""
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def profile_ranks(args: PretrainArgs) -> set[int]:
-    """The global ranks named by ``--profile-ranks`` ("0,2" -> {0, 2})."""
-    return {int(r) for r in args.profile_ranks.split(",") if r.strip()}

@@ -73,3 +73,9 @@ def decoupled_lr_errors(args: PretrainArgs) -> list[str]:
     if args.decoupled_min_lr is not None and args.decoupled_min_lr > args.decoupled_lr:
         return [f"--decoupled-min-lr {args.decoupled_min_lr} is above --decoupled-lr {args.decoupled_lr}"]
     return []
+
+
+def evaluations_during_training(args: PretrainArgs) -> int:
+    """Validation runs before the end of training: one every ``--eval-interval`` iterations, none
+    without it (Megatron's default); the run's last validation, at the end, comes on top."""
+    return args.train_iters // args.eval_interval if args.eval_interval else 0

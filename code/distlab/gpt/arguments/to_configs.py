@@ -27,7 +27,7 @@ import dataclasses
 
 from distlab.gpt.arguments.architecture import query_groups
 from distlab.gpt.arguments.groups import PretrainArgs
-from distlab.gpt.arguments.parser import as_list, profile_ranks
+from distlab.gpt.arguments.parser import as_list
 from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
@@ -195,7 +195,7 @@ def profiler_config(args: PretrainArgs) -> ProfilerConfig:
         profile_execution=args.profile_execution,
         profile=args.profile,
         use_pytorch_profiler=args.use_pytorch_profiler,
-        profile_ranks=frozenset(profile_ranks(args)),
+        profile_ranks=frozenset(args.profile_ranks),
         profile_step_start=args.profile_step_start,
         profile_step_end=args.profile_step_end,
         tensorboard_dir=args.tensorboard_dir,

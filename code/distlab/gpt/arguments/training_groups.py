@@ -89,9 +89,12 @@ class TrainingArgs:
         False, "torch.profiler trace of --profile-step-start+1..end (True|False)", tf=True
     )
     profile_name: str = _f("profile", "run name of the trace under --tensorboard-dir")
-    profile_ranks: str = _f("0", "global ranks that write a trace, e.g. 0,2: one per pipeline stage")
-    profile_step_start: int = _f(1, "the profiler warms up on this iteration and traces the next ones")
-    profile_step_end: int = _f(3, "last traced iteration (traced: start+1 .. end)")
+    profile_ranks: list[int] = _f(
+        [], "global ranks that write a trace, e.g. 0 2: one per pipeline stage (none given: every rank)",
+        nargs="+", type=int,
+    )  # fmt: skip
+    profile_step_start: int = _f(10, "the profiler warms up on this iteration and traces the next ones")
+    profile_step_end: int = _f(12, "last traced iteration (traced: start+1 .. end)")
     train_samples: int = _f(
         None,
         "samples to train over, instead of --train-iters: iterations = train samples // global batch "
@@ -211,7 +214,9 @@ class ValidationArgs:
     """Evaluation (Megatron's ``_add_validation_args``)."""
 
     eval_iters: int = _f(100, "global batches per validation run")
-    eval_interval: int = _f(1000, "iterations between validation runs")
+    eval_interval: int = _f(
+        None, "iterations between validation runs (not given: validation only at the end of training)"
+    )
 
 
 @dataclass

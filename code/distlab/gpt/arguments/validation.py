@@ -23,7 +23,7 @@ from distlab.gpt.arguments.data_checks import data_errors, tokenizer_errors
 from distlab.gpt.arguments.distrib_optimizer_rules import distributed_optimizer_errors
 from distlab.gpt.arguments.groups import PretrainArgs
 from distlab.gpt.arguments.implementations import apply_profile_flags, implementation_errors
-from distlab.gpt.arguments.parser import as_list, parse_split, profile_ranks
+from distlab.gpt.arguments.parser import as_list, parse_split
 from distlab.gpt.arguments.refused import refused_errors
 from distlab.gpt.arguments.samples import decoupled_lr_errors, length_errors, train_iters_from_samples
 from distlab.gpt.layout import Layout, parse_step_schedule, rampup_schedule
@@ -56,6 +56,8 @@ def validate_args(args: PretrainArgs, world_size: int) -> Layout:
     if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
     fill_architecture_defaults(args)
+    if args.split is None:  # Megatron's legacy default, which it fills in with a warning
+        args.split = "969,30,1"
     errors = [
         *model_layout_errors(model_shape(args), layout),
         *architecture_args_errors(args, layout),
@@ -98,7 +100,9 @@ def engine_layout(args: PretrainArgs, world_size: int) -> Layout | str:
         run.lr = 1e-4
     if run.data_path is None and not run.mock_data:
         run.mock_data = True
-    if run.tokenizer_type == "GPT2BPETokenizer" and not (run.vocab_file and os.path.exists(run.vocab_file)):
+    if run.tokenizer_type in (None, "GPT2BPETokenizer") and not (
+        run.vocab_file and os.path.exists(run.vocab_file)
+    ):
         run.tokenizer_type, run.vocab_size = "NullTokenizer", run.vocab_size or 50257
     try:
         return validate_args(run, world_size)
@@ -198,7 +202,7 @@ def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
         errors.append(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be within [0, 1]")
     for name in ("log_interval", "eval_interval"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.eval_iters < 0:
         errors.append(f"--eval-iters {args.eval_iters} must be >= 0")
@@ -241,12 +245,12 @@ def _profile_errors(args: PretrainArgs, world_size: int) -> list[str]:
             f"--train-iters {args.train_iters} (warm-up on iteration start, traced start+1..end): "
             f"train longer or trace fewer steps"
         )
-    try:
-        bad = [r for r in profile_ranks(args) if not 0 <= r < world_size]
-        if bad:
-            errors.append(f"--profile-ranks {args.profile_ranks}: ranks {bad} not in world size {world_size}")
-    except ValueError:
-        errors.append(f"--profile-ranks {args.profile_ranks}: expected comma-separated ranks, e.g. 0,2")
+    bad = [r for r in args.profile_ranks if not 0 <= r < world_size]
+    if bad:
+        errors.append(
+            f"--profile-ranks {' '.join(map(str, args.profile_ranks))}: ranks {bad} not in world size "
+            f"{world_size}: name ranks 0 to {world_size - 1}, or none to trace every rank"
+        )
     return errors
 
 

@@ -72,11 +72,11 @@ class ProfilerConfig:
     profile: bool = False
     """Without ``use_pytorch_profiler``: an nsys capture range of the same iterations (CUDA only)."""
     use_pytorch_profiler: bool = False
-    profile_ranks: frozenset[int] = frozenset({0})
-    """Global ranks that trace."""
-    profile_step_start: int = 1
+    profile_ranks: frozenset[int] = frozenset()
+    """Global ranks that trace; empty: every rank (Megatron's default)."""
+    profile_step_start: int = 10
     """The warm-up iteration."""
-    profile_step_end: int = 3
+    profile_step_end: int = 12
     """The last traced iteration."""
     tensorboard_dir: str | None = None
     """Traces go under ``<tensorboard_dir>/<profile_name>`` (default folder ``runs/tensorboard``)."""
@@ -363,15 +363,16 @@ class TrainingLog:
 
 class StepProfiler:
     """torch.profiler over iterations ``start+1 .. end`` (``--profile-step-start/end``, Megatron's
-    meaning) of each rank in ``--profile-ranks`` (default 0), after a warm-up on iteration ``start``::
+    meaning) of each rank in ``--profile-ranks`` (default: every rank), after a warm-up on iteration
+    ``start``::
 
-        schedule(wait=start - 1, warmup=1, active=end - start)      defaults 1, 3: traced 2 and 3
+        schedule(wait=start - 1, warmup=1, active=end - start)      defaults 10, 12: traced 11 and 12
 
     counted in iterations, so that the trace's ``ProfilerStep#N`` is iteration N (also after
     ``--load``), with shapes, memory (allocations and frees: the Memory view's curve) and Python
     stacks. Rank r's trace lands in ``<tensorboard-dir>/<profile-name>/rank<r>.<time>.pt.trace.json``,
     the layout TensorBoard's PyTorch Profiler plugin reads (``tensorboard --logdir <tensorboard-dir>``),
-    one worker per rank: ``--profile-ranks 0,2`` shows both stages of a TP=2 x PP=2 run.
+    one worker per rank: ``--profile-ranks 0 2`` shows both stages of a TP=2 x PP=2 run.
     """
 
     def __init__(self, config: ProfilerConfig, rank: int, first_iteration: int = 1) -> None:
@@ -381,10 +382,11 @@ class StepProfiler:
         self.prof = None
         # Megatron's --profile without --use-pytorch-profiler: nsys' capture range, CUDA only
         nsys = config.profile and not config.use_pytorch_profiler and torch.cuda.is_available()
-        nsys = nsys and rank in config.profile_ranks
+        traces = not config.profile_ranks or rank in config.profile_ranks
+        nsys = nsys and traces
         self.nsys_range = (config.profile_step_start, config.profile_step_end) if nsys else None
         self.iteration = first_iteration - 1  # iterations done
-        if not config.profile_execution or rank not in config.profile_ranks:
+        if not config.profile_execution or not traces:
             return
         self.end = config.profile_step_end
         start = config.profile_step_start
