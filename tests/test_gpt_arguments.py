@@ -10,6 +10,7 @@ import torch
 
 from distlab import REPO_ROOT
 from distlab.gpt.arguments import parse_args, parse_split, validate_args
+from distlab.gpt.arguments.samples import evaluations_during_training
 
 pytestmark = [pytest.mark.engine_fast, pytest.mark.timeout(60)]
 
@@ -62,6 +63,24 @@ def test_valid_command_fills_megatron_defaults(files):
     assert args.max_position_embeddings == 32 and args.lr_decay_iters == 10 and args.profile_execution
     args, _ = check([*BASE, *files, "--local_rank=1", "--profile-execution", "False", "--fp16"])
     assert args.local_rank == 1 and not args.profile_execution and args.fp16
+
+
+def test_validation_without_an_eval_interval_runs_only_at_the_end(files):
+    """Megatron's --eval-interval has no default: no validation during training, one at the end;
+    --split, also without a default, becomes Megatron's legacy 969,30,1."""
+    args, _ = check([*BASE, *files])
+    assert (args.eval_interval, evaluations_during_training(args), args.split) == (None, 0, "969,30,1")
+    args, _ = check([*BASE, *files, "--eval-interval", "3"])
+    assert evaluations_during_training(args) == 3  # iterations 3, 6 and 9 of 10
+
+
+def test_a_run_names_its_tokenizer(files):
+    """--tokenizer-type has no default (Megatron's): a run without it is refused, naming the kinds."""
+    argv = [*BASE, *files[2:]]  # without --tokenizer-type GPT2BPETokenizer
+    with pytest.raises(
+        ValueError, match="--tokenizer-type is required .* GPT2BPETokenizer with --vocab-file"
+    ):
+        check(argv)
 
 
 def test_unknown_argument_is_named(files, capsys):
