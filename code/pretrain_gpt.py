@@ -11,7 +11,7 @@ Arguments of a tiny run (``ARGS`` below; global batch 8 = micro 2 x data-paralle
     ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
       --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 50 \\
       --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-fraction 0.1 \\
-      --data-path data/gpt/stdlib_text_document --vocab-file data/gpt/vocab.json \\
+      --data-path data/gpt/stdlib_text_document --tokenizer-type GPT2BPETokenizer --vocab-file data/gpt/vocab.json \\
       --merge-file data/gpt/merges.txt --split 949,50,1 --log-interval 10 --eval-interval 25 --eval-iters 2"
 
 One process::

@@ -44,6 +44,7 @@ MODEL = (
     "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
     "--eval-interval 3 --eval-iters 1 --distributed-backend gloo "
     "--num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
+    " --attention-dropout 0 --hidden-dropout 0"
 ).split()
 EP = "--expert-model-parallel-size 2 --use-distributed-optimizer --ddp-bucket-size 3000"
 OVERLAP = f"{EP} --overlap-grad-reduce --overlap-param-gather"

@@ -44,7 +44,7 @@ TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --max-position-embeddings 32"
     " --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine"
     " --lr-warmup-fraction 0.1 --split 90,10,0 --log-interval 1 --eval-interval 1000 --eval-iters 1"
-    f" --seed 5 --train-iters {TRAIN_ITERS} --save-interval {SAVE_INTERVAL}"
+    f" --seed 5 --train-iters {TRAIN_ITERS} --save-interval {SAVE_INTERVAL} --attention-dropout 0 --hidden-dropout 0"
 ).split()
 #: A dead agent is dropped after 3 missed heartbeats 1 s apart; a round of fewer than 2 waits 2 s.
 START_TO_END_S = 240  # the whole run; it took 68 s at load 25 and failed a 60 s guard at load 10-14

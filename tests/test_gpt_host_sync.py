@@ -30,7 +30,16 @@ TINY = [
     *("--clip-grad", "1.0", "--eval-interval", "1000", "--eval-iters", "1"),
     # 6 iterations, the line at 6 only; traced: iterations 3 and 4 (warm-up on 2)
     *("--train-iters", "6", "--log-interval", "10", "--profile-execution", "True"),
-    *("--profile-step-start", "2", "--profile-step-end", "4", "--profile-name", "sync"),
+    *(
+        "--profile-step-start",
+        "2",
+        "--profile-step-end",
+        "4",
+        "--profile-ranks",
+        "0",
+        "--profile-name",
+        "sync",
+    ),
 ]
 SCALAR_READ = "aten::_local_scalar_dense"
 FUSED_OPTIMIZERS = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_"}

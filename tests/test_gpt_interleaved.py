@@ -146,7 +146,7 @@ def test_refusals_name_values_and_fix(tmp_path: Path) -> None:
 
     def argv(*extra: str) -> list[str]:
         base = "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1"
-        files = ["--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt"),
+        files = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt"),
                  "--data-path", str(tmp_path / "d")]  # fmt: skip
         return [
             *base.split(),

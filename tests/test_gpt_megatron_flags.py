@@ -67,7 +67,8 @@ def test_a_ramp_over_data_parallel_ranks_equals_one_process(data, tmp_path):
     """Global batch 2, 4, 6, 8 (Megatron's ramp 2 2 12): over dp 2 each step takes its own number
     of micro-batches per rank, and the losses are those of one process taking them all."""
     base = [*GPT_MODEL_ARGS.split(), *data, "--lr", "3e-3", "--train-iters", "5", "--global-batch-size", "8",
-            "--rampup-batch-size", "2", "2", "12", "--log-interval", "1", "--eval-iters", "0", "--seed", "5"]  # fmt: skip
+            "--rampup-batch-size", "2", "2", "12", "--log-interval", "1", "--eval-iters", "0", "--seed", "5",
+            "--attention-dropout", "0", "--hidden-dropout", "0"]  # fmt: skip
     dp2 = spawn_pretrain([*base, "--micro-batch-size", "1"], 2, tmp_path / "dp2")
     one = spawn_pretrain([*base, "--micro-batch-size", "2"], 1, tmp_path / "one")
     sizes = [r["gbs"] for r in ITERATION.parse(dp2.log)]

@@ -47,6 +47,10 @@ TINY = [
     "1",
     "--seed",
     "5",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
 ]
 
 

@@ -18,12 +18,23 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def dp2_trace(tmp_path_factory):
-    """tensorboard dir of a DP=2 run (gloo) profiled with --profile-execution True."""
+    """tensorboard dir of a DP=2 run (gloo) profiled with --profile-execution True: rank 0, iterations
+    2 and 3 (warm-up on 1)."""
     tmp = tmp_path_factory.mktemp("prof")
     data = prepare_data(tmp / "data", vocab_size=512, max_files=80).argv()
     tb = tmp / "tb"
     argv = [*TINY, *data, "--global-batch-size", "4", "--train-iters", "4", "--tensorboard-dir", str(tb)]
-    spawn_pretrain([*argv, "--profile-execution", "True", "--profile-name", "dp2"], 2, tmp / "run")
+    prof = [
+        "--profile-execution",
+        "True",
+        "--profile-step-start",
+        "1",
+        "--profile-step-end",
+        "3",
+        "--profile-ranks",
+        "0",
+    ]
+    spawn_pretrain([*argv, *prof, "--profile-name", "dp2"], 2, tmp / "run")
     return tb
 
 
@@ -32,7 +43,8 @@ def memory_trace(tmp_path_factory):
     """A run folder with the engine's profiler trace (StepProfiler: memory, shapes, stacks) of an
     MLP's iterations 2 and 3, after the warm-up on iteration 1."""
     tb = tmp_path_factory.mktemp("mem")
-    config = ProfilerConfig(profile_execution=True, profile_name="mlp", tensorboard_dir=str(tb))
+    config = ProfilerConfig(profile_execution=True, profile_name="mlp", tensorboard_dir=str(tb), profile_step_start=1,
+                            profile_step_end=3)  # fmt: skip
     model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 256))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     profiler = StepProfiler(config, rank=0)
@@ -67,12 +79,16 @@ def test_the_plugins_loader_finds_the_run_and_its_step_breakdown(dp2_trace):
 
 def test_profile_ranks_choose_which_ranks_write_a_trace(tmp_path):
     """--profile-ranks 1: only rank 1 traces, as worker ``rank1`` (a pipelined run names one rank
-    per stage)."""
+    per stage); none named: every rank, Megatron's default."""
     data = prepare_data(tmp_path / "data", vocab_size=512, max_files=80).argv()
-    run = ["--global-batch-size", "4", "--train-iters", "3", "--tensorboard-dir", str(tmp_path)]
-    prof = ["--profile-execution", "True", "--profile-name", "r1", "--profile-ranks", "1"]
-    spawn_pretrain([*TINY, *data, *run, *prof], 2, tmp_path / "run")
+    run = ["--global-batch-size", "4", "--train-iters", "2", "--tensorboard-dir", str(tmp_path)]
+    prof = ["--profile-execution", "True", "--profile-step-start", "1", "--profile-step-end", "2"]
+    spawn_pretrain(
+        [*TINY, *data, *run, *prof, "--profile-name", "r1", "--profile-ranks", "1"], 2, tmp_path / "r1run"
+    )
     assert list(find_traces(tmp_path / "r1")) == ["rank1"]
+    spawn_pretrain([*TINY, *data, *run, *prof, "--profile-name", "all"], 2, tmp_path / "allrun")
+    assert sorted(find_traces(tmp_path / "all")) == ["rank0", "rank1"]
 
 
 def test_breakdown_counts_gloo_as_communication(dp2_trace):

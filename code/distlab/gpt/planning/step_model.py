@@ -37,7 +37,8 @@ activations ``S = b (s / cp) H`` x bytes::
     tp, SP       6 all-gathers + 4 reduce-scatters of S (backward gathers the input again for the
                  weight gradient, as this engine and Megatron do); full recomputation reruns the
                  forward up to its last GEMM (PyTorch's checkpoint stops early): + 1 all-reduce,
-                 or + 2 all-gathers + 1 reduce-scatter
+                 or + 2 all-gathers + 1 reduce-scatter; with --hidden-dropout > 0 it reruns the
+                 block's last collective too (the dropout after it recomputes its mask): + 1 more
     tp, head     per micro-batch the embedding's and output layer's, the cross entropy's two
                  (``engine_work.head_collectives``)
     cp           3 cp - 2 rounds (``engine_work``: cp - 1 K/V forward, cp - 1 K/V and cp gradient
@@ -168,12 +169,13 @@ def predict_step(
     layers = args.num_layers / pp  # this stage's blocks
     S = layout.micro_batch_size * (args.seq_length / layout.cp) * args.hidden_size * act
     full_recompute = recomputed_layers(args) > 0
+    rerun_tail = full_recompute * (2 if args.hidden_dropout > 0 else 1)  # the block's g (and its last)
     costs, unfused, exposed_cp = [], 0.0, 0.0
     if layout.tp > 1:
         per_layer = (
-            [("all_gather", 6 + 2 * full_recompute), ("reduce_scatter", 4 + full_recompute)]
+            [("all_gather", 6 + 2 * full_recompute), ("reduce_scatter", 4 + rerun_tail)]
             if layout.sequence_parallel
-            else [("all_reduce", 4 + full_recompute)]
+            else [("all_reduce", 4 + rerun_tail)]
         )
         costs += [Cost("tp", op, layout.tp, S, round(k * layers), link["tp"]) for op, k in per_layer]
         costs += [
