@@ -30,16 +30,7 @@ TINY = [
     *("--clip-grad", "1.0", "--eval-interval", "1000", "--eval-iters", "1"),
     # 6 iterations, the line at 6 only; traced: iterations 3 and 4 (warm-up on 2)
     *("--train-iters", "6", "--log-interval", "10", "--profile-execution", "True"),
-    *(
-        "--profile-step-start",
-        "2",
-        "--profile-step-end",
-        "4",
-        "--profile-ranks",
-        "0",
-        "--profile-name",
-        "sync",
-    ),
+    *("--profile-step-start", "2", "--profile-step-end", "4", "--profile-name", "sync"),
 ]
 SCALAR_READ = "aten::_local_scalar_dense"
 FUSED_OPTIMIZERS = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_"}
@@ -69,8 +60,7 @@ def scalar_reads_per_step(trace: dict) -> dict[str, int]:
 def traced_reads(data, tmp_path, world: int, flags: list[str]) -> list[dict[str, int]]:
     """Every rank's scalar reads per traced iteration of one run."""
     tb = tmp_path / "tb"
-    ranks = ",".join(map(str, range(world)))
-    argv = [*TINY, *data, "--tensorboard-dir", str(tb), "--profile-ranks", ranks, *flags]
+    argv = [*TINY, *data, "--tensorboard-dir", str(tb), "--profile-ranks", *map(str, range(world)), *flags]
     run = spawn_pretrain(argv, world, tmp_path / "run")
     lines = [m for m in (ITERATION_RE.match(line) for line in run.log.splitlines()) if m]
     assert [int(m["it"]) for m in lines] == [6]  # no line inside the traced iterations

@@ -28,6 +28,7 @@ EX_ARGS = (
     "--num-layers 4 --hidden-size 128 --ffn-hidden-size 448 --num-attention-heads 4 --group-query-attention "
     "--num-query-groups 2 --kv-channels 32 --seq-length 64 --max-position-embeddings 64 --position-embedding-type rope "
     "--swiglu --normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear "
+    "--attention-dropout 0.0 --hidden-dropout 0.0 "
     "--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --train-iters 2 --lr 1e-4 --eval-iters 0"
 )
 
