@@ -98,6 +98,17 @@ def test_the_check_cell_waits_passes_and_fails(namespace, capsys):
 
 def test_the_solution_shows_the_table_and_checks_the_same_way():
     sources = cells(SOLUTION)
-    assert any(c.startswith("BUDGET_MIB = llama_layout.budget_mib(") and "PREDICTED" in c for c in sources)
-    assert any(c.startswith("llama_layout.check_run(") for c in sources)
+    budget_cell = next(c for c in sources if c.startswith("BUDGET_MIB = llama_layout.budget_mib("))
     assert ex_args(SOLUTION) == ex_args()
+    namespace = {
+        "os": SimpleNamespace(environ={"EX_ARGS": ex_args()}),
+        "llama_layout": llama_layout,
+        "state_layout_predictions": state_layout_predictions,
+        "WORLD": 4,
+        "PROCS": 2,
+    }
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        exec(budget_cell, namespace)
+    fits = [line for line in out.getvalue().splitlines() if line.endswith("fits")]
+    assert fits and all(f.startswith("tp 2 ") and "distributed optimizer" in f for f in fits), out.getvalue()
+    assert any(c.startswith("llama_layout.check_run(") for c in sources)
