@@ -12,8 +12,9 @@ although rank 1 is not the cause. Each waiting rank times out (3 s) and dumps it
 * ``all_dumped``: rank 3, alive but busy elsewhere, dumps too while in no collective (on GPUs NCCL's
   watchdog makes every rank dump).
 
-The checks: the course's reading (``expected``) agrees with ``hang_report`` and with PyTorch's
-``torchfrtrace`` where it can decide (which names the cascade's rank 1 as well); the notebook's stub
+The checks: the course's reading (``expected``) agrees with ``hang_report`` and, where every rank
+dumped, with PyTorch's ``torchfrtrace`` (which names the cascade's rank 1 as well; with a dump
+missing it only names that rank: tests/test_flight_recorder.py); the notebook's stub
 says "not yet"; typical wrong answers (the first rank whose dump was written, the cascade's rank,
 the right rank with a collective it joined, one past the last, or a group it is not in) are told
 wrong with hints that name neither the rank nor the sequence number; the solution notebook's
@@ -148,8 +149,6 @@ def test_the_course_and_pytorch_read_the_same_hang(frozen, all_dumped):
             lines
         )  # not the cascade's rank
     torchfrtrace = str(Path(sys.executable).with_name("torchfrtrace"))
-    out = subprocess.run([torchfrtrace, str(frozen)], capture_output=True, text=True)
-    assert f"Missing dump files from ranks {{{FROZEN}}}" in out.stdout + out.stderr
     out = subprocess.run([torchfrtrace, str(all_dumped)], capture_output=True, text=True)
     reports = (out.stdout + out.stderr).split("Not all ranks joining collective")
     _, group, seq = the_answer(all_dumped)
