@@ -27,6 +27,16 @@ def free_port() -> int:
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlab.distributed"]
 
 
+def start_forkserver() -> None:
+    """Start :func:`spawn_ranks`' fork server now and return at once: it imports
+    :data:`FORKSERVER_PRELOAD` (seconds of a core) in the background, while the caller goes on (a
+    notebook runs its jobs meanwhile), so that the first ``spawn_ranks`` does not wait for it."""
+    from multiprocessing import forkserver
+
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+    forkserver.ensure_running()
+
+
 def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
     """``mp.spawn`` from a fork server: ``fn(i, *args)`` for i < ``nprocs``, each in a fresh process
     forked from one that has imported :data:`FORKSERVER_PRELOAD` and computed nothing (so no thread
