@@ -22,12 +22,13 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from torch.multiprocessing import ProcessRaisedException
 
 from distlab import progress
 from distlab.checks import ExerciseError, script_untouched
 from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
 
-TIMEOUT_S = 30.0
+TIMEOUT_S = 60.0
 """How long a collective waits for a missing peer: a learner's code that hangs one rank fails the
 check after this long instead of hanging the notebook."""
 
@@ -99,5 +100,11 @@ def run_on_ranks(body: Callable, path: str | Path, world: int, *args) -> list[di
     learner's code raises (:func:`learner_error`); the learner's file is imported in each rank.
     """
     with tempfile.TemporaryDirectory() as out:
-        spawn_ranks(_rank, (world, free_port(), body, str(Path(path).resolve()), out, args), world)
+        for attempt in (1, 2):
+            try:
+                spawn_ranks(_rank, (world, free_port(), body, str(Path(path).resolve()), out, args), world)
+                break
+            except ProcessRaisedException as exc:  # another process took the free port meanwhile: once more
+                if attempt == 2 or "address already in use" not in str(exc).lower():
+                    raise
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
