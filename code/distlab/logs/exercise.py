@@ -10,6 +10,11 @@ long-sequence run must also train on the asked sequence length (read from its it
 whatever the layout) and stay within a memory budget per rank (its ``> memory:`` line) with
 tensor parallelism inside a node. Notebook 11's Llama run must hold the whole model and stay
 within a memory budget per rank with tensor parallelism inside a node.
+
+Notebook 04's predictions, written before the runs they are about, are compared afterwards with
+values computed here, never printed before: the parameter count its first run prints, and the
+batch arithmetic of its exercise run (:func:`check_parameter_prediction`,
+:func:`check_batch_predictions`).
 """
 
 from __future__ import annotations
@@ -271,3 +276,50 @@ def check_state_layout_run(
         f"the parameters and gradients, and which flag shards the optimizer states over the rest? Did the run finish?"
     )
     return check("the Llama's layout within the budget", answer, ok=ok, hint=hint)
+
+
+PARAMETERS_REL = 0.01
+"""How close a predicted parameter count must come to the printed one: section 2's formula alone
+(without the final LayerNorm's 2h, with the unpadded vocabulary) is within 0.1% of it."""
+
+
+def check_parameter_prediction(predicted, text: str) -> bool:
+    """``check`` notebook 04's prediction of the parameters its one-process run prints (the log
+    ``text``'s ``> number of parameters`` line), within :data:`PARAMETERS_REL`."""
+    printed = parameter_counts(text)[(0, 0)]
+    return check(
+        f"the parameters the run prints (within {PARAMETERS_REL:.0%})",
+        predicted,
+        ok=lambda p: isinstance(p, int | float) and abs(p / printed - 1) <= PARAMETERS_REL,
+        hint="section 2's formula with this notebook's l, h and s (LAB.model) and the tokenizer's vocabulary",
+    )
+
+
+def check_batch_predictions(
+    accumulation_steps, samples_per_iteration, consumed_after_last, *, micro: int, global_batch: int, dp: int,
+    iters: int,
+) -> bool:  # fmt: skip
+    """``check`` notebook 04's predictions of its exercise run (micro batch ``micro``, global batch
+    ``global_batch`` on ``dp`` data-parallel ranks, ``iters`` iterations): accumulation steps per
+    rank and iteration, samples per iteration, and the last line's consumed samples."""
+    right = [
+        check(
+            "accumulation steps",
+            accumulation_steps,
+            expected=global_batch // (micro * dp),
+            hint="global = micro x data-parallel size x accumulation",
+        ),
+        check(
+            "samples per iteration",
+            samples_per_iteration,
+            expected=global_batch,
+            hint="what does one iteration consume, whatever the layout?",
+        ),
+        check(
+            "consumed samples after the last iteration",
+            consumed_after_last,
+            expected=global_batch * iters,
+            hint="consumed samples grow by the same number every iteration",
+        ),
+    ]
+    return all(right)
