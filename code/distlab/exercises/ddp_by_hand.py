@@ -15,8 +15,8 @@ drawn as the notebook's generated set draws them, and then torch's ``Distributed
 the same weights on the same images. Judged, in this order: the learner's code runs; every step
 all-reduces once per bucket, each with ``async_op=True``, all started before backward returned
 (from the hooks), none waited for inside backward, all waited for before the optimizer step; the
-parameters after every step equal DDP's within :data:`RTOL` of DDP's own change (a right answer
-differs by ~1e-6: a different order of the same sums). Measured and printed: the share of the
+parameters after every step equal DDP's within :data:`RTOL` of DDP's own change (the solution's are
+DDP's to the last bit, a sum instead of an average is 100% off). Measured and printed: the share of the
 all-reduces' time that passed while backward was still running (each all-reduce from its start to
 its completion, seen by a callback on its future), and the time ``finish()`` waited.
 """

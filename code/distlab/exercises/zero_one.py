@@ -24,6 +24,7 @@ divides by the gradient's own size, so a sum instead of an average moves the wei
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from types import ModuleType
 
@@ -103,8 +104,9 @@ def kept_bytes(optimizer, model: nn.Module) -> int:
             todo += list(obj.values())
         elif isinstance(obj, list | tuple | set):
             todo += list(obj)
-        elif hasattr(obj, "__dict__"):
-            todo += list(vars(obj).values())
+        else:  # an object of the learner's: its attributes (one without a __dict__ holds none)
+            with contextlib.suppress(TypeError):
+                todo += list(vars(obj).values())
     for w in [*weights, *inner]:
         if isinstance(w, torch.Tensor):
             for t in (w, w.grad):
@@ -189,9 +191,9 @@ def _body(rank: int, module: ModuleType, path: str) -> dict:
                     scale = float(mine[: want.numel()] @ want / (want @ want))
                     err = float((mine[: want.numel()] - want).abs().max() / want.abs().max())
                     grad_errors.append([err, scale])
-        kept = kept_bytes(optimizer, model)
     except Exception as exc:  # noqa: BLE001 - the learner's code may fail anywhere; report it
         return {"error": learner_error(exc, path)}
+    kept = kept_bytes(optimizer, model)
     reference, start = _reference()
     errors = [
         float((p - r).abs().max() / (r - start).abs().max()) for p, r in zip(params, reference, strict=True)
