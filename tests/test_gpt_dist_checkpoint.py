@@ -229,16 +229,38 @@ def test_refusals_name_the_fix(runs, data, tmp_path) -> None:
         "2",
     ]
     validate_args(parse_args(tp2), 2)  # the hand-written tp's shards placed in whole tensors (tp_chunks)
-    # a folder of the other format, named with the flag that reads it
+    # each reader, given a folder of the other format, names it and the reader of it
     single = ParallelState(Layout(1), rank=0)
     dist_ckpt, _ = runs["plain"]
     args = parse_args([*TINY, "--load", str(dist_ckpt)])
-    with pytest.raises(FileNotFoundError, match="written with --ckpt-format torch_dist .*: load it with"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="written with --ckpt-format torch_dist .*: dist_checkpointing.load_checkpoint",
+    ):
         checkpointing.load_checkpoint(checkpoint_config(args), single, None, None)
     (tmp_path / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
     (tmp_path / checkpointing.TRACKER).write_text("1")
     args = parse_args([*TINY, *DIST, "--load", str(tmp_path)])
     with pytest.raises(
-        FileNotFoundError, match="written with --ckpt-format torch; load it with --ckpt-format torch"
+        FileNotFoundError, match="written with --ckpt-format torch; checkpointing.load_checkpoint reads it"
     ):
         dist_checkpointing.load_checkpoint(checkpoint_config(args), single, None, None)
+
+
+def test_a_load_reads_the_format_it_finds(runs, data, tmp_path) -> None:
+    """As Megatron-LM's: --ckpt-format is the saves' format, --load reads the folder's own. A
+    torch_dist checkpoint resumes a run that saves torch (the same losses); that run's torch
+    checkpoint continues in a run that saves torch_dist; FSDP2 refuses a torch one, naming the fix."""
+    ckpt, full = runs["plain"]
+    torch_ckpt = tmp_path / "to_torch" / "ckpt"  # iteration 3 copied there; the run adds 6
+    legacy = [*TINY, *data, *STEPS, "--ckpt-format", "torch", "--save", str(torch_ckpt)]
+    rest = _resume_from_3(ckpt, tmp_path / "to_torch", legacy, 2)
+    _assert_equal(rest.last["losses"], full.last["losses"][3:])
+    assert checkpointing.saved_format(str(torch_ckpt)) == "torch"  # the tracker names 6
+    assert checkpointing.saved_format(str(ckpt)) == "torch_dist"
+    more = ["--train-iters", "7", "--load", str(torch_ckpt), "--save", str(tmp_path / "dist")]
+    back = spawn_pretrain([*TINY, *data, *STEPS, *DIST, *more], 2, tmp_path / "back")
+    assert back.last["iterations"] == [7] and (tmp_path / "dist" / "iter_0000007" / ".metadata").exists()
+    fsdp2 = [*TINY, *data, *STEPS, *DIST, *FSDP2, "--load", str(torch_ckpt)]
+    with pytest.raises(Exception, match="parameters are DTensors .* load it in a run without those flags"):
+        spawn_pretrain(fsdp2, 2, tmp_path / "fsdp2")

@@ -49,7 +49,7 @@ wait for it; rank 0 commits as soon as the write is complete. The save line give
       successfully saved checkpoint at iteration       6 to ckpt in torch_dist format (async) | blocking 9.8 ms | total 61.0 ms
 
 The run's saves and loads in either format go through ``checkpointer.py``, which imports this
-module only for ``torch_dist``.
+module only for ``torch_dist`` (the default, as Megatron-LM's).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def load_checkpoint(
     if checkpointing.is_release(config.load):
         raise FileNotFoundError(
             f"{config.load} holds a release checkpoint (model only, one file per tp x pp rank, as "
-            f"convert_checkpoint.py writes): load it with --ckpt-format torch"
+            f"convert_checkpoint.py writes) in the --ckpt-format torch layout: {checkpointing.READS_TORCH}"
         )
     iteration = checkpointing.read_tracker(config.load)
     if iteration is None:
@@ -216,7 +216,7 @@ def load_checkpoint(
         raise FileNotFoundError(
             f"{folder} has no .metadata: "
             + (
-                "it was written with --ckpt-format torch; load it with --ckpt-format torch"
+                f"it was written with --ckpt-format torch; {checkpointing.READS_TORCH}"
                 if legacy
                 else "not a torch.distributed.checkpoint folder"
             )
