@@ -54,12 +54,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from distlab.distributed import DistContext
 from distlab.gpt.checkpointing import durable
 from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.optimizer.distrib_optimizer import DistributedOptimizer
+from distlab.gpt.optimizer.optimizer import is_dtensor
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker
 
@@ -264,7 +264,7 @@ def load_checkpoint(
             f"{path} is missing: the checkpoint was written with another tensor/pipeline "
             f"layout than tp={state.tp} pp={state.pp}"
         )
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         raise ValueError(
             f"{folder} was written with --ckpt-format torch (whole tensors, one file per tp x pp rank) and "
             f"this run's parameters are DTensors (--use-torch-fsdp2, --tensor-parallel-impl dtensor), which "
