@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from distlab.local_ranks import free_port, spawn_ranks
+from distlab.local_ranks import spawn_ranks
 from distlab.local_runs import prepare_data, spawn_pretrain
 from tests.conftest import train_plan
 
@@ -60,18 +60,19 @@ RESHARDED = {
 
 
 def _plan(ckpt: Path, data: list[str]) -> list:
+    """``train_plan``'s runs, each port picked when its run starts (None)."""
     plan = []
     for name, (world, flags) in LAYOUTS.items():
         argv = [*MODEL, *data, *flags.split()]
         plan += [
-            (name, world, argv, free_port()),
+            (name, world, argv, None),
             (f"{name}-save", world, [*argv, "--train-iters", "2", "--lr-decay-iters", "3", "--save", str(ckpt / name)],
-             free_port()),
-            (f"{name}-resume", world, [*argv, "--lr-decay-iters", "3", "--load", str(ckpt / name)], free_port()),
+             None),
+            (f"{name}-resume", world, [*argv, "--lr-decay-iters", "3", "--load", str(ckpt / name)], None),
         ]  # fmt: skip
     for name, (layout, world, flags) in RESHARDED.items():
         argv = [*MODEL, *data, *flags.split(), "--lr-decay-iters", "3", "--load", str(ckpt / layout)]
-        plan.append((name, world, argv, free_port()))
+        plan.append((name, world, argv, None))
     return plan
 
 
