@@ -10,14 +10,17 @@ equal the uninterrupted run's to the bit (loss, gradient norm, [moe] tokens per 
         resumed on 2 ranks (ep 2 x dp 2, edp 1: DCP reshards the buckets), within 1e-5
     tp 2 (sequence parallel) x ep 2 (dp 2), distributed optimizer, alltoall: the experts' tp shards
         placed in their one-process tensors
-    pp 2 x ep 2 (dp 2), distributed optimizer: each stage's buckets, dense and expert
+    pp 2 x ep 2 (dp 2), distributed optimizer, a Llama-MoE (RMSNorm, RoPE, SwiGLU experts without
+        biases, 2 query groups, untied): each stage's buckets, dense and expert
     ep 2 (dp 2), plain optimizer: resumed at ep 1 (every expert on each rank: the experts' names
         are global) and at ep 4 x dp 4 as well, within 1e-5
 
 Loading the distributed optimizer's state at another ep is refused naming the flag and
---no-load-optim. Before the expert buckets were keyed by ep rank, the ep ranks wrote one key with
-different data, DCP kept one rank's, and the resume went on without an error from the wrong
-experts' main parameters and moments (another loss).
+--no-load-optim. The Llama-MoE's run saved in the legacy format too (a file per (tp, pp, ep) rank)
+reads back whole (``convert_checkpoint.py``'s and ``generate.py``'s reader) as the torch_dist one.
+Before the expert buckets were keyed by ep rank, the ep ranks wrote one key with different data,
+DCP kept one rank's, and the resume went on without an error from the wrong experts' main
+parameters and moments (another loss).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from distlab.gpt.inference import course_checkpoint
 from distlab.local_ranks import spawn_ranks
 from distlab.local_runs import prepare_data, spawn_pretrain
 from tests.conftest import train_plan
@@ -43,12 +48,16 @@ MODEL = (
     "--num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
 ).split()
 DISTOPT = "--use-distributed-optimizer --ddp-bucket-size 3000"
+LLAMA = (
+    "--normalization RMSNorm --position-embedding-type rope --swiglu --group-query-attention "
+    "--num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights"
+)
 #: layout: (world, flags); each is run uninterrupted, saved at 2, and resumed
 LAYOUTS = {
     "ep2-dp4": (4, f"--expert-model-parallel-size 2 {DISTOPT} --overlap-grad-reduce --overlap-param-gather"),
     "tp2-ep2": (4, f"--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 {DISTOPT} "
                    "--moe-token-dispatcher-type alltoall"),
-    "pp2-ep2": (4, f"--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 {DISTOPT}"),
+    "pp2-ep2": (4, f"{LLAMA} --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 {DISTOPT}"),
     "ep2-plain": (2, "--expert-model-parallel-size 2"),
 }  # fmt: skip
 #: more loads of a layout's checkpoint: name: (layout, world, flags)
@@ -73,6 +82,9 @@ def _plan(ckpt: Path, data: list[str]) -> list:
     for name, (layout, world, flags) in RESHARDED.items():
         argv = [*MODEL, *data, *flags.split(), "--lr-decay-iters", "3", "--load", str(ckpt / layout)]
         plan.append((name, world, argv, None))
+    legacy = ["--train-iters", "2", "--lr-decay-iters", "3", "--ckpt-format", "torch"]  # the save run's
+    legacy += ["--save", str(ckpt / "pp2-ep2-torch")]
+    plan.append(("pp2-ep2-torch", 4, [*MODEL, *data, *LAYOUTS["pp2-ep2"][1].split(), *legacy], None))
     return plan
 
 
@@ -140,3 +152,15 @@ def test_the_distributed_optimizers_state_at_another_ep_is_refused(runs: Path, t
         r"--expert-model-parallel-size 2, or with --no-load-optim"
     )):  # fmt: skip
         spawn_pretrain(argv, 2, tmp_path / "run")
+
+
+def test_both_formats_read_back_as_the_same_whole_model(runs: Path) -> None:
+    """The Llama-MoE at pp 2 x ep 2 after 2 iterations, saved in torch_dist and in the legacy format
+    (mp_rank_00_<pp>_<ep>: the reader tells the pp and ep ranks apart by the saved sizes)."""
+    dist, legacy = (course_checkpoint.inspect(str(runs / "ckpt" / n)) for n in ("pp2-ep2", "pp2-ep2-torch"))
+    assert (dist.ckpt_format, legacy.ckpt_format) == ("torch_dist", "torch")
+    assert dist.arch.hf_class == "MixtralForCausalLM"
+    assert sorted(legacy.files) == [(0, pp, ep) for pp in (0, 1) for ep in (0, 1)]
+    want, got = (course_checkpoint.read_model(ckpt).state_dict() for ckpt in (dist, legacy))
+    assert {k.split(".")[4] for k in want if ".experts." in k} == {"0", "1", "2", "3"}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
