@@ -1,6 +1,7 @@
 """``--ckpt-format torch_dist`` (torch.distributed.checkpoint) and ``--async-save``: exact resume
 of the plain engine and of FSDP2, resharding (2 FSDP2 ranks -> 1 plain rank), the asynchronous
-save's files and losses, DCP's folder, the refusals.
+save's files and losses, DCP's folder, the refusals (torch_dist is the default, as Megatron-LM's),
+and a load that reads the format it finds, whatever the run saves in.
 
 Three uninterrupted runs of 6 iterations on 2 gloo ranks save at iterations 3 and 6: plain, FSDP2,
 FSDP2 with --async-save. Three runs then resume from iteration 3: the plain and the FSDP2 one each
@@ -208,14 +209,20 @@ def _errors(data: list[str], *flags: str, world_size: int = 2) -> str:
 
 
 def test_refusals_name_the_fix(runs, data, tmp_path) -> None:
-    msg = _errors(data, *FSDP2, "--save", str(tmp_path))
+    msg = _errors(data, *FSDP2, "--save", str(tmp_path), "--ckpt-format", "torch")
     assert (
-        "--ckpt-format torch is one full copy written by data-parallel rank 0: add --ckpt-format torch_dist"
+        "--ckpt-format torch is one full copy written by data-parallel rank 0: use --ckpt-format torch_dist"
         in msg
     )
+    default = parse_args([*TINY, *data, "--train-iters", "2", *FSDP2, "--save", str(tmp_path)])
+    assert default.ckpt_format == "torch_dist"  # Megatron-LM's default: FSDP2 saves with it as it is
+    validate_args(default, 2)
     validate_args(parse_args([*TINY, *data, "--train-iters", "2", *FSDP2, *DIST, "--load", str(tmp_path)]), 2)
-    msg = _errors(data, "--async-save", "--save", str(tmp_path))
-    assert "--async-save with --ckpt-format torch: " in msg and "add --ckpt-format torch_dist" in msg
+    msg = _errors(data, "--async-save", "--save", str(tmp_path), "--ckpt-format", "torch")
+    assert (
+        "--async-save with --ckpt-format torch: " in msg
+        and "use --ckpt-format torch_dist (the default)" in msg
+    )
     assert "--async-save was given without --save DIR" in _errors(data, *DIST, "--async-save")
     tp2 = [
         *TINY,
