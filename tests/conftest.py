@@ -108,7 +108,9 @@ def assert_same_training(history: dict, reference: dict, what: str, tol: float =
 def train_plan(rank: int, plan: list, out: str) -> None:
     """A spawned rank's part of ``plan``, runs ``(name, world, argv, port)`` one after another: each
     run with ``world`` ranks trains through the whole driver; its history goes to
-    ``out/<name>.rank<rank>.json`` and its log beside it."""
+    ``out/<name>.rank<rank>.json`` and its log beside it. A ``port`` of None is picked when the run
+    starts (:func:`_run_port`): a long plan's ports picked when it is made may be another process's
+    by the time their run comes, on a busy machine (EADDRINUSE)."""
     import json
     from pathlib import Path
 
@@ -117,8 +119,21 @@ def train_plan(rank: int, plan: list, out: str) -> None:
     torch.set_num_threads(1)
     for name, world, argv, port in plan:
         if rank < world:
+            port = port or _run_port(rank, Path(out, f"{name}.port"))
             history = pretrain_as_rank(rank, world, port, argv, Path(out, f"{name}.rank{rank}.log"))
             Path(out, f"{name}.rank{rank}.json").write_text(json.dumps(history))
+
+
+def _run_port(rank: int, path) -> int:
+    """A free port for one run: rank 0 picks it and writes ``path`` (atomically), the others read it."""
+    import time
+
+    if rank == 0:
+        path.with_suffix(".tmp").write_text(str(free_port()))
+        os.replace(path.with_suffix(".tmp"), path)
+    while not path.exists():
+        time.sleep(0.01)
+    return int(path.read_text())
 
 
 def entry_script(name: str):

@@ -45,4 +45,6 @@ def test_two_nodes_two_processes_each(slurm_cluster, tmp_path):
     assert its == [2, 4]
     assert job.grep(r"validation loss at iteration 4 \| lm loss value: ")
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
-    assert (tmp_path / "ckpt" / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").exists()
+    # torch_dist, the default: a file per rank
+    saved = sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000004").iterdir())
+    assert saved == [".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "common.pt"]

@@ -1,6 +1,7 @@
 """``--ckpt-format torch_dist`` (torch.distributed.checkpoint) and ``--async-save``: exact resume
 of the plain engine and of FSDP2, resharding (2 FSDP2 ranks -> 1 plain rank), the asynchronous
-save's files and losses, DCP's folder, the refusals.
+save's files and losses, DCP's folder, the refusals (torch_dist is the default, as Megatron-LM's),
+and a load that reads the format it finds, whatever the run saves in.
 
 Three uninterrupted runs of 6 iterations on 2 gloo ranks save at iterations 3 and 6: plain, FSDP2,
 FSDP2 with --async-save. Three runs then resume from iteration 3: the plain and the FSDP2 one each
@@ -208,14 +209,20 @@ def _errors(data: list[str], *flags: str, world_size: int = 2) -> str:
 
 
 def test_refusals_name_the_fix(runs, data, tmp_path) -> None:
-    msg = _errors(data, *FSDP2, "--save", str(tmp_path))
+    msg = _errors(data, *FSDP2, "--save", str(tmp_path), "--ckpt-format", "torch")
     assert (
-        "--ckpt-format torch is one full copy written by data-parallel rank 0: add --ckpt-format torch_dist"
+        "--ckpt-format torch is one full copy written by data-parallel rank 0: use --ckpt-format torch_dist"
         in msg
     )
+    default = parse_args([*TINY, *data, "--train-iters", "2", *FSDP2, "--save", str(tmp_path)])
+    assert default.ckpt_format == "torch_dist"  # Megatron-LM's default: FSDP2 saves with it as it is
+    validate_args(default, 2)
     validate_args(parse_args([*TINY, *data, "--train-iters", "2", *FSDP2, *DIST, "--load", str(tmp_path)]), 2)
-    msg = _errors(data, "--async-save", "--save", str(tmp_path))
-    assert "--async-save with --ckpt-format torch: " in msg and "add --ckpt-format torch_dist" in msg
+    msg = _errors(data, "--async-save", "--save", str(tmp_path), "--ckpt-format", "torch")
+    assert (
+        "--async-save with --ckpt-format torch: " in msg
+        and "use --ckpt-format torch_dist (the default)" in msg
+    )
     assert "--async-save was given without --save DIR" in _errors(data, *DIST, "--async-save")
     tp2 = [
         *TINY,
@@ -229,16 +236,38 @@ def test_refusals_name_the_fix(runs, data, tmp_path) -> None:
         "2",
     ]
     validate_args(parse_args(tp2), 2)  # the hand-written tp's shards placed in whole tensors (tp_chunks)
-    # a folder of the other format, named with the flag that reads it
+    # each reader, given a folder of the other format, names it and the reader of it
     single = ParallelState(Layout(1), rank=0)
     dist_ckpt, _ = runs["plain"]
     args = parse_args([*TINY, "--load", str(dist_ckpt)])
-    with pytest.raises(FileNotFoundError, match="written with --ckpt-format torch_dist .*: load it with"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="written with --ckpt-format torch_dist .*: dist_checkpointing.load_checkpoint",
+    ):
         checkpointing.load_checkpoint(checkpoint_config(args), single, None, None)
     (tmp_path / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
     (tmp_path / checkpointing.TRACKER).write_text("1")
     args = parse_args([*TINY, *DIST, "--load", str(tmp_path)])
     with pytest.raises(
-        FileNotFoundError, match="written with --ckpt-format torch; load it with --ckpt-format torch"
+        FileNotFoundError, match="written with --ckpt-format torch; checkpointing.load_checkpoint reads it"
     ):
         dist_checkpointing.load_checkpoint(checkpoint_config(args), single, None, None)
+
+
+def test_a_load_reads_the_format_it_finds(runs, data, tmp_path) -> None:
+    """As Megatron-LM's: --ckpt-format is the saves' format, --load reads the folder's own. A
+    torch_dist checkpoint resumes a run that saves torch (the same losses); that run's torch
+    checkpoint continues in a run that saves torch_dist; FSDP2 refuses a torch one, naming the fix."""
+    ckpt, full = runs["plain"]
+    torch_ckpt = tmp_path / "to_torch" / "ckpt"  # iteration 3 copied there; the run adds 6
+    legacy = [*TINY, *data, *STEPS, "--ckpt-format", "torch", "--save", str(torch_ckpt)]
+    rest = _resume_from_3(ckpt, tmp_path / "to_torch", legacy, 2)
+    _assert_equal(rest.last["losses"], full.last["losses"][3:])
+    assert checkpointing.saved_format(str(torch_ckpt)) == "torch"  # the tracker names 6
+    assert checkpointing.saved_format(str(ckpt)) == "torch_dist"
+    more = ["--train-iters", "7", "--load", str(torch_ckpt), "--save", str(tmp_path / "dist")]
+    back = spawn_pretrain([*TINY, *data, *STEPS, *DIST, *more], 2, tmp_path / "back")
+    assert back.last["iterations"] == [7] and (tmp_path / "dist" / "iter_0000007" / ".metadata").exists()
+    fsdp2 = [*TINY, *data, *STEPS, *DIST, *FSDP2, "--load", str(torch_ckpt)]
+    with pytest.raises(Exception, match="parameters are DTensors .* load it in a run without those flags"):
+        spawn_pretrain(fsdp2, 2, tmp_path / "fsdp2")

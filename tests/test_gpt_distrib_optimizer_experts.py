@@ -54,7 +54,7 @@ RUNS = {
     "ep2": (4, EP),
     "ep2-overlap": (4, OVERLAP),
     # 2 iterations saved, then the third resumed (the LR schedule of 3 iterations in all)
-    "ep2-save": (4, f"{OVERLAP} --train-iters 2 --lr-decay-iters 3 --save {{ckpt}}"),
+    "ep2-save": (4, f"{OVERLAP} --train-iters 2 --lr-decay-iters 3 --save {{ckpt}} --ckpt-format torch"),
     "ep2-resume": (4, f"{OVERLAP} --lr-decay-iters 3 --load {{ckpt}}"),
     "ep2-resume-world2": (2, f"{OVERLAP} --lr-decay-iters 3 --load {{ckpt}}"),
 }

@@ -501,6 +501,10 @@ def test_save_costs_tell_a_save_that_ran_beside_training_from_one_that_blocked()
     blocked = [(t - 1.0, t) for _, t in measured]  # the write done before the save returned
     assert not restarts.save_costs(log([543.4], blocked))["overlapped"]
     assert restarts.save_costs(log([543.4], []))["async_saves"] == 0
+    synchronous = SAVED.format(
+        iteration=1, folder="/c", format="torch_dist", blocking_ms=500.0, total_ms=500.0
+    )
+    assert restarts.save_costs(synchronous + "\n")["plain"] == 500.0  # plain: either format's
 
 
 def test_a_peer_that_timed_out_first_makes_this_rank_a_survivor_of_the_hang() -> None:

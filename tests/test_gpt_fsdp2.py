@@ -160,7 +160,10 @@ def test_refusals_name_the_values(data, tmp_path) -> None:
         in msg
     )
     assert "--use-torch-fsdp2 and --deepspeed were both given" in _refusal(data, "--deepspeed")
-    assert f"--use-torch-fsdp2 with --save {tmp_path}: " in _refusal(data, "--save", str(tmp_path))
+    legacy = _refusal(data, "--save", str(tmp_path), "--ckpt-format", "torch")
+    assert (
+        f"--use-torch-fsdp2 with --save {tmp_path}: " in legacy and "use --ckpt-format torch_dist" in legacy
+    )
     assert "use --bf16" in _refusal(data, "--fp16")
     args = parse_args([*TINY, *data, "--train-iters", "2", "--torch-fsdp2-cpu-offload"])
     with pytest.raises(ValueError, match="--torch-fsdp2-cpu-offload was given without --use-torch-fsdp2"):

@@ -48,11 +48,12 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2_ckpt(data, tmp_path_factory):
-    """A checkpoint saved by a tp 2 run (2 gloo ranks, 3 iterations), --ckpt-format torch; V = 384
-    (300 tokens padded to 64 x tp), as one process pads them to 128."""
+    """A checkpoint saved by a tp 2 run (2 gloo ranks, 3 iterations), --ckpt-format torch (its
+    mp_rank files are what the converter's release for tp 2 must be); V = 384 (300 tokens padded to
+    64 x tp), as one process pads them to 128."""
     root = tmp_path_factory.mktemp("tp2")
     argv = [*TINY, *data.argv(), "--train-iters", "3", "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64",
-            "--save", str(root / "ckpt")]  # fmt: skip
+            "--save", str(root / "ckpt"), "--ckpt-format", "torch"]  # fmt: skip
     spawn_pretrain(argv, 2, root / "run")
     return root / "ckpt"
 
@@ -128,8 +129,8 @@ def test_course_to_hf_to_course_is_bit_equal(tp2_ckpt, tmp_path):
 
 @pytest.fixture(scope="module")
 def pp2_ckpt(data, tmp_path_factory):
-    """A checkpoint saved by a pp 2 run (2 gloo ranks, 1F1B, 2 iterations): wte on the first stage,
-    output_weight (its copy) on the last."""
+    """A checkpoint saved by a pp 2 run (2 gloo ranks, 1F1B, 2 iterations), torch_dist (the
+    default): wte on the first stage, output_weight (its copy) on the last."""
     root = tmp_path_factory.mktemp("pp2")
     argv = [*TINY, *data.argv(), "--train-iters", "2", "--pipeline-model-parallel-size", "2",
             "--save", str(root / "ckpt")]  # fmt: skip

@@ -4,6 +4,8 @@ for tp 2 x pp 2 reads back whole, bit for bit; top-k and top-p keep the ids they
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -81,13 +83,29 @@ def test_a_release_checkpoint_for_tp2_pp2_reads_back_whole(tmp_path):
         assert torch.equal(back[name], tensor), name
 
 
-def test_a_release_checkpoint_is_refused_by_the_torch_dist_loader(tmp_path):
-    from distlab.gpt.checkpointing import dist_checkpointing
+def test_a_release_checkpoint_loads_into_a_run_that_saves_torch_dist(tmp_path):
+    """The run's load reads the release's legacy layout (as Megatron-LM's), whatever it saves in;
+    the torch_dist reader itself refuses it naming the one that reads it."""
+    from distlab.gpt.checkpointing import checkpointing, dist_checkpointing
+    from distlab.gpt.checkpointing.checkpointer import Checkpointer
+    from distlab.gpt.layout import Layout
+    from distlab.gpt.parallel_state import ParallelState
 
     args = PretrainArgs(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=32)
-    course_checkpoint.write_release(str(tmp_path), args, CFG, GPTModel(CFG).state_dict())
-    loading = CheckpointConfig(load=str(tmp_path), ckpt_format="torch_dist")
+    written = GPTModel(CFG).state_dict()
+    course_checkpoint.write_release(str(tmp_path), args, CFG, written)
+    assert checkpointing.saved_format(str(tmp_path)) == "torch"
+    loading = CheckpointConfig(
+        load=str(tmp_path), ckpt_format="torch_dist", arguments=dataclasses.asdict(args)
+    )
+    model = GPTModel(dataclasses.replace(CFG, seed=7))  # other weights, until loaded
+    state = ParallelState(Layout(1), rank=0)
+    loaded = Checkpointer(loading, state, torch.device("cpu")).load(
+        model, torch.optim.AdamW(model.parameters())
+    )
+    assert loaded == (0, 0, None)  # a release starts at iteration 0, with the run's own optimizer
+    assert all(torch.equal(v, written[k]) for k, v in model.state_dict().items())
     with pytest.raises(
-        FileNotFoundError, match="holds a release checkpoint .* load it with --ckpt-format torch"
+        FileNotFoundError, match="holds a release checkpoint .* checkpointing.load_checkpoint reads it"
     ):
         dist_checkpointing.load_checkpoint(loading, None, None, None)

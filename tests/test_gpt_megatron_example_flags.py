@@ -11,11 +11,13 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from distlab import REPO_ROOT
 from distlab.gpt.arguments import build_parser, parse_args, validate_args
 from distlab.gpt.arguments.implementations import implementation_lines
 from distlab.gpt.checkpointing.checkpointer import SAVED
+from distlab.gpt.checkpointing.distrib_buckets import PARAM_KEY
 from distlab.gpt.data.indexed_dataset import IndexedDataset
 from distlab.gpt.data.tokenizer import stdlib_docstrings
 from distlab.gpt.data.tokenizers import save_hf_tokenizer, train_sentencepiece
@@ -199,9 +201,14 @@ def test_mixtral_script_trains_and_equals_one_process(paths, tmp_path):
     for said in ("alltoall token dispatcher", "expert parameters over their expert-data-parallel group of d = 1",
                  "6 + 12/d = 12 bytes per parameter per rank", "successfully saved checkpoint at iteration"):  # fmt: skip
         assert said in log, said
-    # one file per (tp, pp, ep) rank: mp_rank_TT_PPP_EEE
-    assert sorted(p.name for p in (tmp_path / "bf16" / "ckpt" / "iter_0000003").iterdir()) == [
-        "mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"]  # fmt: skip
+    # torch_dist (the script gives no --ckpt-format: Megatron-LM's default): a file per rank, and each
+    # (stage, ep rank)'s expert buckets of the distributed optimizer under keys of their own
+    folder = tmp_path / "bf16" / "ckpt" / "iter_0000003"
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == [".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "common.pt"]
+    keys = FileSystemReader(folder).read_metadata().state_dict_metadata
+    experts = {(m[1], m[2]) for m in map(PARAM_KEY.fullmatch, keys) if m and m[2] is not None}
+    assert experts == {(stage, ep) for stage in "01" for ep in "01"}
 
 
 def test_mixtral_data_is_the_llama2_tokenizers(paths):

@@ -335,8 +335,6 @@ def _refusal(flags: str, world: int) -> str:
         ("--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss", 1, ["give one"]),
         ("--num-experts 4 --moe-aux-loss-coeff 0.1 0.2", 1, ["--moe-aux-loss-coeff 0.1 0.2", "one coefficient per"]),
         ("--num-experts 4 --moe-token-dispatcher-type flex", 1, ["flex", "DeepEP"]),
-        ("--num-experts 4 --expert-model-parallel-size 2 --save /nonexistent --ckpt-format torch_dist", 2,
-         ["--expert-model-parallel-size 2 and --ckpt-format torch_dist", "use --ckpt-format torch"]),
         ("--num-experts 4 --ffn-hidden-size 31 --tensor-model-parallel-size 2 --sequence-parallel", 2,
          ["--ffn-hidden-size 31 is not divisible by --tensor-model-parallel-size 2 (the MLP width"]),
         ("--num-experts 4 --tensor-parallel-impl dtensor --tensor-model-parallel-size 2 --sequence-parallel", 2,

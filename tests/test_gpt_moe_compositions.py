@@ -14,7 +14,7 @@ and with one process; losses, gradient norms, the validation loss and the [moe] 
     tp 2 (sequence parallel) x pp 2 x ep 2 (dp 2) and on tp 2 (sequence parallel) x cp 2 x ep 2
     (each rank routes T / (cp tp) tokens of a sample), against the same Llama-MoE on one process
 
-and an ep 2 checkpoint (one file per ep rank) resumes the ep 2 run exactly.
+and an ep 2 checkpoint in the legacy format (one file per ep rank) resumes the ep 2 run exactly.
 
 One spawn of 8 gloo ranks runs them all (the reference on rank 0 alone).
 """
@@ -76,9 +76,13 @@ RUNS = {
         4,
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --expert-model-parallel-size 2",
     ),
-    # a checkpoint of experts split over ep ranks: 2 iterations saved, then the third resumed from it
-    # (the LR schedule of 3 iterations in both)
-    "ep2-save": (2, "--expert-model-parallel-size 2 --train-iters 2 --lr-decay-iters 3 --save {ckpt}"),
+    # a checkpoint of experts split over ep ranks in the legacy format (torch_dist's:
+    # test_gpt_dist_checkpoint_experts.py): 2 iterations saved, then the third resumed from it (the LR
+    # schedule of 3 iterations in both)
+    "ep2-save": (
+        2,
+        "--expert-model-parallel-size 2 --train-iters 2 --lr-decay-iters 3 --save {ckpt} --ckpt-format torch",
+    ),
     "ep2-resume": (2, "--expert-model-parallel-size 2 --lr-decay-iters 3 --load {ckpt}"),
 }
 RESUMED = ("ep2-save", "ep2-resume")

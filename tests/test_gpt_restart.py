@@ -1,7 +1,8 @@
 """torchrun --max-restarts: a rank killed with SIGKILL, the job restarts and resumes by itself.
 
 Every test runs ``code/pretrain_gpt.py`` on 2 gloo ranks under ``torchrun --standalone
---max-restarts 1`` with ``--save D --load D --save-interval 3``, pauses one rank of the first
+--max-restarts 1`` with ``--save D --load D --save-interval 3`` (torch_dist, the default; the kill
+during a save in the legacy format too), pauses one rank of the first
 attempt at a chosen point (after an iteration, or half-way through writing a checkpoint), kills it
 with SIGKILL from here, as a user would, and checks that the second attempt says it is a restart,
 resumes from the latest complete checkpoint and ends with the losses of an uninterrupted run.
@@ -148,9 +149,14 @@ def data(tmp_path_factory):
 
 
 def torchrun(
-    folder: Path, data: list[str], pause_rank: int | None = None, pause_at: str = ""
+    folder: Path,
+    data: list[str],
+    pause_rank: int | None = None,
+    pause_at: str = "",
+    flags: tuple[str, ...] = (),
 ) -> tuple[str, int]:
-    """Run the tiny job under torchrun in ``folder``; kill the paused rank, if one is asked to pause.
+    """Run the tiny job (and ``flags``) under torchrun in ``folder``; kill the paused rank, if one is
+    asked to pause.
 
     Returns the log (all ranks, both attempts) and torchrun's exit code.
     """
@@ -165,7 +171,7 @@ def torchrun(
     env.update(PIDS_DIR=str(folder / "pids"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["--max-restarts", "1", str(worker), str(REPO_ROOT / "code" / "pretrain_gpt.py")]
-    cmd += [*TINY, *data, "--save", ckpt, "--load", ckpt]
+    cmd += [*TINY, *data, *flags, "--save", ckpt, "--load", ckpt]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -252,12 +258,20 @@ def test_sigkill_after_a_random_iteration_resumes_from_the_latest_checkpoint(dat
     assert_resumed(log, rc, resumed_from, uninterrupted, what)
 
 
-def test_sigkill_while_saving_keeps_the_previous_checkpoint(data, uninterrupted, tmp_path):
-    """Rank 0 (the writer) dies half-way through iter_0000006.tmp: the job resumes from 3."""
-    log, rc = torchrun(tmp_path, data, pause_rank=0, pause_at="saving:6")
+#: The file rank 0 writes with torch.save in each format (torch_dist: before DCP writes the shards).
+HALF_WRITTEN = {
+    "torch_dist": "iter_0000006.tmp/common.pt",
+    "torch": "iter_0000006.tmp/mp_rank_00/model_optim_rng.pt",
+}
+
+
+@pytest.mark.parametrize("fmt", list(HALF_WRITTEN))
+def test_sigkill_while_saving_keeps_the_previous_checkpoint(data, uninterrupted, tmp_path, fmt):
+    """Rank 0 dies half-way through its file in iter_0000006.tmp: the job resumes from 3."""
+    log, rc = torchrun(tmp_path, data, pause_rank=0, pause_at="saving:6", flags=("--ckpt-format", fmt))
     at_kill = json.loads((tmp_path / "at_kill.json").read_text())
     assert at_kill["tracker"] == "3"  # the tracker still names the complete checkpoint
-    assert "iter_0000006.tmp/mp_rank_00/model_optim_rng.pt" in at_kill["files"]
+    assert HALF_WRITTEN[fmt] in at_kill["files"]
     assert not [p for p in at_kill["files"] if p.startswith("iter_0000006/")]
     assert_resumed(log, rc, 3, uninterrupted, "rank 0 killed while saving iteration 6")
     ckpt = tmp_path / "ckpt"

@@ -89,7 +89,8 @@ never up (``tests/test_imports.py`` checks it)::
                        finalisation), distrib_optimizer (--use-distributed-optimizer: ZeRO-1 over dp x cp)
                        ~ optimizer/ optimizer, clip_grads, distrib_optimizer; optimizer_param_scheduler.py
     checkpointing/     checkpoint_config, checkpointing (Megatron's legacy format), dist_checkpointing
-                       (DCP: torch_dist), checkpointer (the run's saves and load, --async-save)
+                       (DCP: torch_dist, the default), distrib_buckets (the distributed optimizer's
+                       state in DCP), checkpointer (the run's saves and load, --async-save)
                        ~ training/checkpointing.py, dist_checkpointing/
     training/          training (micro-batches, the step, evaluation), log (the log line, TensorBoard,
                        the profiler), flops (MFU), fault_handling (signals, hangs), housekeeping

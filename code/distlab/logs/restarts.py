@@ -107,14 +107,14 @@ blocking medians over 0.33-0.43 s in the same runs."""
 
 
 def save_costs(text: str) -> dict:
-    """Medians (ms) of a log's saves: ``plain`` (``--ckpt-format torch``: blocking = total), and of
-    the asynchronous ones ``async_blocking`` and ``async_total``, with ``async_saves`` their count,
-    and ``overlapped``: whether the asynchronous saves blocked at most :data:`ASYNC_BLOCKING_SHARE`
-    of their time (their write ran beside training)."""
+    """Medians (ms) of a log's saves: ``plain`` (the synchronous ones, either format: blocking =
+    total), and of the asynchronous ones ``async_blocking`` and ``async_total``, with
+    ``async_saves`` their count, and ``overlapped``: whether the asynchronous saves blocked at most
+    :data:`ASYNC_BLOCKING_SHARE` of their time (their write ran beside training)."""
     import statistics
 
     saves = SAVED.parse(text)
-    plain = [s["blocking_ms"] for s in saves if s["format"] == "torch"]
+    plain = [s["blocking_ms"] for s in saves if s.get("mode") != "async"]
     staged = [(s["blocking_ms"], s["total_ms"]) for s in saves if s.get("mode") == "async"]
     out = {"plain": statistics.median(plain) if plain else None, "async_saves": len(staged)}
     if staged:

@@ -59,7 +59,8 @@ def _torch_compile_errors(args: PretrainArgs) -> list[str]:
 
 def _torch_fsdp2_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     """--use-torch-fsdp2: data parallelism only (a 1-D mesh), fp32 or bf16, without --deepspeed,
-    and checkpoints only as --ckpt-format torch_dist (its shards need torch.distributed.checkpoint)."""
+    and saves only as --ckpt-format torch_dist (its shards need torch.distributed.checkpoint; a load
+    reads the format it finds, and refuses the legacy one into DTensors)."""
     if not args.use_torch_fsdp2:
         given = ["--torch-fsdp2-cpu-offload"] if args.torch_fsdp2_cpu_offload else []
         if not args.torch_fsdp2_reshard_after_forward:
@@ -84,12 +85,12 @@ def _torch_fsdp2_errors(args: PretrainArgs, layout: Layout) -> list[str]:
             "gradients, which this back end does not have (Megatron-LM refuses it too): use --bf16 "
             "(MixedPrecisionPolicy: bf16 parameters, fp32 reduction)"
         )
-    if (args.save or args.load) and args.ckpt_format == "torch":
-        given = " and ".join(f"--{n} {getattr(args, n)}" for n in ("save", "load") if getattr(args, n))
+    if args.save and args.ckpt_format == "torch":
         errors.append(
-            f"--use-torch-fsdp2 with {given}: each rank holds DTensor shards of the parameters and "
+            f"--use-torch-fsdp2 with --save {args.save}: each rank holds DTensor shards of the parameters and "
             f"optimizer state, and --ckpt-format torch is one full copy written by data-parallel rank 0: "
-            f"add --ckpt-format torch_dist (torch.distributed.checkpoint: every rank writes its shards)"
+            f"use --ckpt-format torch_dist (the default; torch.distributed.checkpoint: every rank writes "
+            f"its shards)"
         )
     return errors
 
@@ -125,7 +126,7 @@ def _ckpt_format_errors(args: PretrainArgs) -> list[str]:
         errors.append(
             f"--async-save with --ckpt-format {args.ckpt_format}: an asynchronous save stages the state "
             f"for torch.distributed.checkpoint's writer (Megatron-LM refuses it for the legacy format "
-            f"too): add --ckpt-format torch_dist"
+            f"too): use --ckpt-format torch_dist (the default)"
         )
     if args.async_save and args.save is None:
         errors.append("--async-save was given without --save DIR")

@@ -179,10 +179,11 @@ class CheckpointingArgs:
     save_interval: int = _f(None, "iterations between checkpoints (and one at the end)")
     load: str = _f(None, "checkpoint directory to resume from")
     ckpt_format: str = _f(
-        "torch",
-        "torch: one file per tensor/pipeline rank, written by data-parallel rank 0 (Megatron's legacy "
-        "format); torch_dist: torch.distributed.checkpoint, every rank writes its shards, loadable by "
-        "another number of data-parallel ranks, with or without FSDP2 (Megatron-LM's default)",
+        "torch_dist",
+        "the format of the saves. torch_dist (Megatron-LM's default): torch.distributed.checkpoint, every "
+        "rank writes its shards, loadable by another number of data-parallel ranks, another tp or ep, with "
+        "or without FSDP2; torch: one file per tensor/pipeline/expert rank, written by data-parallel rank "
+        "0 (Megatron's legacy format). --load reads the format it finds, as Megatron-LM's",
         choices=["torch", "torch_dist"],
     )
     async_save: bool = _f(

@@ -274,8 +274,7 @@ def _moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
     """The MoE flags against each other and the layout (ep dividing dp x cp is the layout's own
     check), as megatron-core's ``TransformerConfig`` and ``parallel_state`` check them. Refused, as
     not built here: expert tensor parallelism other than etp = tp, the flex dispatcher, load
-    balancing other than aux_loss or none, full recomputation, DeepSpeed, FSDP2 and DTensor, and
-    torch_dist checkpoints of experts split over ep ranks."""
+    balancing other than aux_loss or none, full recomputation, DeepSpeed, FSDP2 and DTensor."""
     if args.num_experts is None:
         if args.moe_expert_capacity_factor is not None:
             return [
@@ -308,12 +307,6 @@ def _moe_errors(args: PretrainArgs, layout: Layout) -> list[str]:
                 f"--num-experts with {flag}: that back end averages every gradient over all data-parallel "
                 f"ranks and has no expert groups; MoE runs on this engine's own back end: drop {flag}"
             )
-    if layout.ep > 1 and (args.save or args.load) and args.ckpt_format != "torch":
-        errors.append(
-            f"--save/--load with --expert-model-parallel-size {layout.ep} and --ckpt-format {args.ckpt_format}: "
-            f"each ep rank holds other experts (and their optimizer state), which only the legacy format "
-            f"writes here (one file per tp, pp and ep rank); use --ckpt-format torch"
-        )
     return errors
 
 

@@ -21,8 +21,9 @@ class CheckpointConfig:
     """The folder saves write to (None: no saves)."""
     load: str | None = None
     """The folder a run resumes from."""
-    ckpt_format: str = "torch"
-    """torch (one file per tp x pp rank) or torch_dist (DCP: every rank writes its part)."""
+    ckpt_format: str = "torch_dist"
+    """The saves': torch_dist (DCP: every rank writes its part) or torch (one file per tp x pp x ep
+    rank); a load reads the format it finds (``Checkpointer.load``)."""
     async_save: bool = False
     """torch_dist: stage to CPU memory, write in a thread while training goes on."""
     no_load_optim: bool = False

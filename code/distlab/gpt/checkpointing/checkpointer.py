@@ -1,10 +1,14 @@
-"""The run's checkpoints in ``--ckpt-format``'s format (a :class:`CheckpointConfig`): saves
-(``--async-save`` included), their save line, and ``--load``.
+"""The run's checkpoints (a :class:`CheckpointConfig`): saves in ``--ckpt-format``'s format
+(``--async-save`` included), their save line, and ``--load`` in the format it finds there.
 
-    torch        checkpointing.py        Megatron's legacy layout: one file per (tp, pp) rank
-    torch_dist   dist_checkpointing.py   DCP: every rank writes its part; N ranks load into M
+    torch_dist   dist_checkpointing.py   DCP: every rank writes its part; N ranks load into M (the default)
+    torch        checkpointing.py        Megatron's legacy layout: one file per (tp, pp, ep) rank
 
-``dist_checkpointing`` is imported only by runs that ask for ``torch_dist``: DCP imports
+As Megatron-LM's ``_load_base_checkpoint``, a load reads the folder's own format
+(``checkpointing.saved_format``), whatever the run saves in: a release checkpoint (the legacy
+layout, what ``convert_checkpoint.py --from hf`` writes) continues in a run that saves torch_dist.
+
+``dist_checkpointing`` is imported only by runs that save or load ``torch_dist``: DCP imports
 ``torch.distributed.fsdp``, and a DeepSpeed ZeRO-2 run in a process that has imported it leaves
 one gloo group's threads alive after ``pretrain`` returns (found by bisection; the cause lies
 between DeepSpeed and torch and is not ours to fix), which is the exit-time abort
@@ -66,8 +70,8 @@ class Checkpointer:
         self.in_flight: _InFlight | None = None
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, dict | None] | None:
-        """``--load`` in ``--ckpt-format``'s format (``dist_checkpointing.load_checkpoint`` for torch_dist)."""
-        torch_dist = self.config.ckpt_format == "torch_dist"
+        """``--load`` in the format of the checkpoint there (``--ckpt-format``'s when there is none)."""
+        torch_dist = (checkpointing.saved_format(self.config.load) or self.config.ckpt_format) == "torch_dist"
         load = _dcp().load_checkpoint if torch_dist else checkpointing.load_checkpoint
         return load(self.config, self.state, model, optimizer)
 

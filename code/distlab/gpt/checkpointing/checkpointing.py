@@ -36,9 +36,11 @@ With ``--use-distributed-optimizer`` the optimizer's entry holds every bucket's 
 and moments gathered whole from the dp x cp shards (as Megatron's ``dp_reshardable`` torch format):
 a run saved with dp 4 loads with dp 2, each rank taking its new shard.
 
-This is ``--ckpt-format torch`` (the default; Megatron's legacy format). ``--ckpt-format
-torch_dist`` (``dist_checkpointing.py``) writes sharded checkpoints with the same tracker and the
-same atomic :func:`commit`.
+This is ``--ckpt-format torch`` (Megatron's legacy format). ``--ckpt-format torch_dist`` (the
+default, as Megatron-LM's; ``dist_checkpointing.py``) writes sharded checkpoints with the same
+tracker and the same atomic :func:`commit`. The flag chooses how a run saves; ``--load`` reads
+the format it finds (:func:`saved_format`, Megatron's ``_get_checkpoint_format``), so a release
+checkpoint, always in this layout, loads into a run that saves torch_dist.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from distlab.distributed import DistContext
 from distlab.gpt.checkpointing import durable
 from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.optimizer.distrib_optimizer import DistributedOptimizer
+from distlab.gpt.optimizer.optimizer import is_dtensor
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.tensor_parallel.rng_tracker import get_rng_tracker
 
@@ -64,6 +67,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 #: The tracker's word for a model-only checkpoint in ``release/`` (Megatron's: what its converters
 #: write, and ``code/convert_checkpoint.py``): loaded at iteration 0, without optimizer or RNG.
 RELEASE = "release"
+#: The fix named when a torch_dist reader meets this layout.
+READS_TORCH = "checkpointing.load_checkpoint reads it, as a run's --load does (it reads the format it finds)"
 #: Arguments a checkpoint must agree on to be loaded.
 MUST_MATCH = (
     "num_layers",
@@ -206,6 +211,23 @@ def is_release(root: str) -> bool:
         return f.read().strip() == RELEASE
 
 
+def saved_format(root: str) -> str | None:
+    """The format of the checkpoint that ``root``'s tracker names, from its folder (Megatron's
+    ``_get_checkpoint_format``): torch_dist where DCP's ``.metadata`` is, torch where ``mp_rank_*``
+    folders are (a release checkpoint's); None without a tracker, or with neither."""
+    if is_release(root):
+        return "torch"
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    folder = committed_dir(root, iteration)
+    if os.path.exists(os.path.join(folder, ".metadata")):
+        return "torch_dist"
+    if os.path.isdir(folder) and any(name.startswith("mp_rank_") for name in os.listdir(folder)):
+        return "torch"
+    return None
+
+
 def read_tracker(root: str) -> int | None:
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
@@ -235,12 +257,19 @@ def load_checkpoint(
     if os.path.exists(os.path.join(folder, ".metadata")):  # DCP's
         raise FileNotFoundError(
             f"{folder} was written with --ckpt-format torch_dist (torch.distributed.checkpoint): "
-            f"load it with --ckpt-format torch_dist"
+            f"dist_checkpointing.load_checkpoint reads it, as a run's --load does (it reads the format it finds)"
         )
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"{path} is missing: the checkpoint was written with another tensor/pipeline "
             f"layout than tp={state.tp} pp={state.pp}"
+        )
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise ValueError(
+            f"{folder} was written with --ckpt-format torch (whole tensors, one file per tp x pp rank) and "
+            f"this run's parameters are DTensors (--use-torch-fsdp2, --tensor-parallel-impl dtensor), which "
+            f"load --ckpt-format torch_dist checkpoints only: load it in a run without those flags, which "
+            f"saves in torch_dist (the default), then load that one"
         )
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     check_args(ckpt["args"], config.arguments, path)

@@ -25,9 +25,13 @@ hand-written tensor parallelism's shards, plain tensors of one name on every tp 
 with their places in the one-process tensor (``tp_chunks``: SwiGLU's ``[gate_r; up_r]`` as two
 chunks), so a tp 2 checkpoint loads at tp 1 as Megatron's torch_dist does, if both pad the
 vocabulary to the same size (checked). Context-parallel ranks hold the same weights and optimizer
-state, as the dp ranks do: DCP writes each chunk once. The distributed optimizer's buckets
-reshard over dp x cp only (Megatron's ``dp_reshardable``). DTensor's (``--tensor-parallel-impl
-dtensor``) are DTensors: a checkpoint of FSDP2 over 4 ranks loads into TP 2 (x FSDP2), or 1 rank.
+state, as the dp ranks do: DCP writes each chunk once. Expert parallelism: each ep rank's experts
+carry their global index in their names (``layers.<i>.mlp.experts.<e>``, ``MoELayer``), so the
+ep ranks write distinct keys and their expert-data-parallel replicas one chunk each; a checkpoint
+of ep 2 loads at ep 1 (every expert on each rank) or 4. The distributed optimizer's buckets
+(``distrib_buckets.py``: an expert bucket keyed by its ep rank) reshard over dp x cp only
+(Megatron's ``dp_reshardable``). DTensor's (``--tensor-parallel-impl dtensor``) are DTensors: a
+checkpoint of FSDP2 over 4 ranks loads into TP 2 (x FSDP2), or 1 rank.
 
 Atomic and durable as the torch format: everything is written into ``iter_0000006.tmp/`` (DCP
 fsyncs every rank's files, its ``FileSystemWriter(sync_files=True)`` default; ``common.pt`` is
@@ -45,7 +49,7 @@ wait for it; rank 0 commits as soon as the write is complete. The save line give
       successfully saved checkpoint at iteration       6 to ckpt in torch_dist format (async) | blocking 9.8 ms | total 61.0 ms
 
 The run's saves and loads in either format go through ``checkpointer.py``, which imports this
-module only for ``torch_dist``.
+module only for ``torch_dist`` (the default, as Megatron-LM's).
 """
 
 from __future__ import annotations
@@ -67,10 +71,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from distlab.gpt.checkpointing import checkpointing, durable, tp_chunks
+from distlab.gpt.checkpointing import checkpointing, distrib_buckets, durable, tp_chunks
 from distlab.gpt.checkpointing.checkpoint_config import CheckpointConfig
 from distlab.gpt.checkpointing.checkpointing import Snapshot
-from distlab.gpt.optimizer.distrib_optimizer import DistributedOptimizer, check_layout
+from distlab.gpt.optimizer.distrib_optimizer import DistributedOptimizer
 from distlab.gpt.parallel_state import ParallelState
 
 COMMON = "common.pt"  # Megatron-LM's name for the state every rank shares
@@ -101,58 +105,11 @@ def _state_dict(
         "model": tp_chunks.place_model(get_model_state_dict(model, options=OPTIONS), model, tp, tp_rank)
     }
     if with_optimizer and isinstance(optimizer, DistributedOptimizer):  # its bucket shards
-        state_dict["optimizer"] = {"distrib": _distributed_optimizer_state(optimizer)}
+        state_dict["optimizer"] = {"distrib": distrib_buckets.state(optimizer)}
     elif with_optimizer:
         flat = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
         state_dict["optimizer"] = tp_chunks.place_optimizer(flat, model, tp, tp_rank)
     return state_dict
-
-
-def _distributed_optimizer_state(optimizer: DistributedOptimizer) -> dict:
-    """``--use-distributed-optimizer``: bucket ``i``'s fp32 main parameters and moments on
-    pipeline stage ``k`` are ``pp<k>.bucket<i>.<name>``, of shape (tp, bucket length): row ``t``
-    tensor-parallel rank t's bucket, of which dp x cp rank ``r`` holds ``[r S, (r + 1) S)`` cut at
-    the length (``tp_chunks.bucket_chunk``). Megatron's ``dp_reshardable`` format: DCP reads them
-    back for another dp x cp; the tp and the buckets must be the same (``check_layout``)."""
-    buffer, parallel = optimizer.buffer, optimizer.parallel
-    out = {"step": optimizer.step_count().clone()}
-    for i, bucket in enumerate(buffer.buckets):
-        real = max(0, min(bucket.end, bucket.numel) - bucket.start)  # this rank's unpadded elements
-        for name, shard in optimizer.bucket_tensors(i).items():
-            out[f"pp{parallel.pp_rank}.bucket{i}.{name}"] = tp_chunks.bucket_chunk(
-                shard[:real], bucket.start, bucket.numel, parallel.tp, parallel.tp_rank
-            )
-    return out
-
-
-def _check_distributed_layout(optimizer: DistributedOptimizer, saved: dict, folder: str) -> None:
-    """The saved buckets (DCP's metadata) must be this run's, and of this tp, before ``dcp.load``
-    reads any."""
-    pp_rank, tp = optimizer.parallel.pp_rank, optimizer.parallel.tp
-    keys = {k for k in saved if k.startswith(f"optimizer.distrib.pp{pp_rank}.") and k.endswith(".param")}
-    sizes = [saved[f"optimizer.distrib.pp{pp_rank}.bucket{i}.param"].size for i in range(len(keys))]
-    if sizes and sizes[0][0] != tp:
-        raise ValueError(
-            f"{folder}'s distributed-optimizer state holds the buckets of {sizes[0][0]} tensor-parallel "
-            f"ranks and this run has --tensor-model-parallel-size {tp}: each tp rank's buckets hold its "
-            f"own shards (Megatron's dp_reshardable format reshards over dp only); load it with "
-            f"--tensor-model-parallel-size {sizes[0][0]}, or with --no-load-optim (the weights reshard)"
-        )
-    check_layout([size[1] for size in sizes], [b.numel for b in optimizer.buffer.buckets])
-
-
-def _load_distributed_optimizer(optimizer: DistributedOptimizer, loaded: dict) -> None:
-    """Put the loaded shards in place (``loaded``: :func:`_distributed_optimizer_state`'s, filled)."""
-    pp_rank = optimizer.parallel.pp_rank
-    if not loaded["step"]:
-        return  # saved before the first step
-    for i, bucket in enumerate(optimizer.buffer.buckets):
-        shards = {}
-        for name in ("param", *optimizer.moment_keys):
-            local = loaded[f"pp{pp_rank}.bucket{i}.{name}"].flatten()  # (real,)
-            shards[name] = torch.zeros_like(bucket.param_shard(), dtype=torch.float32)
-            shards[name][: local.numel()] = local
-        optimizer.load_bucket_tensors(i, shards, loaded["step"])
 
 
 def _check_vocabulary(model: dict, saved: dict, folder: str, then: dict, now: dict) -> None:
@@ -248,7 +205,7 @@ def load_checkpoint(
     if checkpointing.is_release(config.load):
         raise FileNotFoundError(
             f"{config.load} holds a release checkpoint (model only, one file per tp x pp rank, as "
-            f"convert_checkpoint.py writes): load it with --ckpt-format torch"
+            f"convert_checkpoint.py writes) in the --ckpt-format torch layout: {checkpointing.READS_TORCH}"
         )
     iteration = checkpointing.read_tracker(config.load)
     if iteration is None:
@@ -259,17 +216,17 @@ def load_checkpoint(
         raise FileNotFoundError(
             f"{folder} has no .metadata: "
             + (
-                "it was written with --ckpt-format torch; load it with --ckpt-format torch"
+                f"it was written with --ckpt-format torch; {checkpointing.READS_TORCH}"
                 if legacy
                 else "not a torch.distributed.checkpoint folder"
             )
         )
     common = torch.load(os.path.join(folder, COMMON), map_location="cpu", weights_only=False)
-    # tp may change: a torch_dist checkpoint holds whole tensors, DTensor shards and the hand-written
-    # tp's shards placed in them (tp_chunks), which DCP cuts for the loading layout
-    checkpointing.check_args(
-        common["args"], config.arguments, folder, may_differ=("tensor_model_parallel_size",)
-    )
+    # tp and ep may change: a torch_dist checkpoint holds whole tensors, DTensor shards and the
+    # hand-written tp's shards placed in them (tp_chunks), which DCP cuts for the loading layout, and
+    # every expert under its global name (layers.<i>.mlp.experts.<e>), whichever ep rank holds it
+    may_differ = ("tensor_model_parallel_size", "expert_model_parallel_size")
+    checkpointing.check_args(common["args"], config.arguments, folder, may_differ=may_differ)
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata  # every key saved
     with_optimizer = any(key.startswith("optimizer.") for key in saved) and not config.no_load_optim
     distrib = any(key.startswith("optimizer.distrib.") for key in saved)
@@ -280,7 +237,7 @@ def load_checkpoint(
             f"with --no-load-optim"
         )
     if with_optimizer and distrib:
-        _check_distributed_layout(optimizer, saved, folder)
+        distrib_buckets.check(optimizer, saved, common["args"], folder)
     state_dict = _state_dict(
         model, optimizer, state, with_optimizer=with_optimizer
     )  # this run's, to be filled
@@ -290,7 +247,7 @@ def load_checkpoint(
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.main_from_params()
     if with_optimizer and distrib:
-        _load_distributed_optimizer(optimizer, state_dict["optimizer"]["distrib"])
+        distrib_buckets.load(optimizer, state_dict["optimizer"]["distrib"])
     elif with_optimizer:
         # the kernel choices are this run's, not the saver's: a checkpoint of an all-DTensor (FSDP2)
         # run saved fused=True, which a run mixing DTensor and plain parameters cannot take

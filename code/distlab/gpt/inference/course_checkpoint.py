@@ -4,13 +4,15 @@ a layout from a whole state dict (Megatron's ``release`` checkpoint).
 Reading (:func:`inspect`, then :func:`read_model`)::
 
     latest_checkpointed_iteration.txt -> iter_0000020/ (or release/)
-    torch       mp_rank_<tp>[_<pp>]/model_optim_rng.pt, one per (tp, pp) rank: a tensor that the
-                model tags with a ``partition_dim`` (and ``partition_stride``) is put back together
-                from the tp ranks' parts (``tensor_parallel.unshard``, the inverse of the
-                initialiser's ``shard``); pipeline stages hold disjoint global names (blocks by
-                their global index, every virtual chunk); the last stage's ``output_weight`` is
-                wte again (tied) and is dropped, an untied ``output_layer`` kept; cp ranks hold
-                copies, dp rank 0 wrote them
+    torch       mp_rank_<tp>[_<pp>][_<ep>]/model_optim_rng.pt, one per (tp, pp, ep) rank (``_<pp>``
+                with pp > 1, ``_<ep>`` with ep > 1, as ``checkpointing.rank_file`` names them): a
+                tensor that the model tags with a ``partition_dim`` (and ``partition_stride``) is
+                put back together from the tp ranks' parts (``tensor_parallel.unshard``, the
+                inverse of the initialiser's ``shard``); pipeline stages and ep ranks hold disjoint
+                global names (blocks by their global index, every virtual chunk; experts by theirs),
+                the ep ranks the same dense weights; the last stage's ``output_weight`` is wte
+                again (tied) and is dropped, an untied ``output_layer`` kept; cp ranks hold copies,
+                dp rank 0 wrote them
     torch_dist  DCP's ``.metadata`` holds every tensor's global shape: ``dcp.load`` without a
                 process group assembles FSDP2's and DTensor TP's shards, the hand-written tp's
                 (``checkpointing/tp_chunks.py``) and an ep run's experts (each saved by its
@@ -46,7 +48,8 @@ from distlab.gpt.tensor_parallel.layers import shard, unshard
 from distlab.gpt.transformer.config import GPTConfig
 from distlab.gpt.transformer.gpt_model import GPTModel
 
-RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?$")
+RANK_DIR = re.compile(r"mp_rank_\d+(?:_\d+){0,2}")  # mp_rank_<tp>[_<pp>][_<ep>], as a whole name
+RANK_FILE = "model_optim_rng.pt"
 
 
 @dataclass
@@ -58,7 +61,7 @@ class CourseCheckpoint:
     args: PretrainArgs
     arch: Architecture
     config: GPTConfig  # one whole model (tp = pp = 1), V the stored padded vocabulary
-    files: dict[tuple[int, int], str]  # torch: (tp_rank, pp_rank) -> file
+    files: dict[tuple[int, int, int], str]  # torch: (tp_rank, pp_rank, ep_rank) -> file
 
 
 def _args_of(saved: dict) -> PretrainArgs:
@@ -85,7 +88,7 @@ def locate(load: str) -> tuple[str, str]:
         folder = checkpointing.committed_dir(load, iteration)
     if os.path.exists(os.path.join(folder, ".metadata")):
         return folder, "torch_dist"
-    if os.path.isdir(folder) and any(RANK_DIR.match(n) for n in os.listdir(folder)):
+    if os.path.isdir(folder) and any(RANK_DIR.fullmatch(n) for n in os.listdir(folder)):
         return folder, "torch"
     raise ConversionError(
         f"{folder}, named by {tracker}, holds neither mp_rank_* folders nor DCP's .metadata"
@@ -104,18 +107,21 @@ def inspect(load: str) -> CourseCheckpoint:
         stored = {k.removeprefix("model."): tuple(v.size) for k, v in meta.items() if k.startswith("model.")}
         rows = stored.get("wte.weight", (0,))[0]
     else:
-        files = {
-            (int(m[1]), int(m[2] or 0)): os.path.join(folder, n, "model_optim_rng.pt")
-            for n in os.listdir(folder)
-            if (m := RANK_DIR.match(n))
-        }
-        first = torch.load(files[min(files)], map_location="cpu", mmap=True, weights_only=False)
+        names = sorted(n for n in os.listdir(folder) if RANK_DIR.fullmatch(n))  # mp_rank_00[_000][_000] first
+        first = torch.load(os.path.join(folder, names[0], RANK_FILE), map_location="cpu", mmap=True,
+                           weights_only=False)  # fmt: skip
         args = _args_of(first["args"])
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-        missing = sorted({(t, p) for t in range(tp) for p in range(pp)} - files.keys())
-        if missing:
+        tp, pp, ep = (
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            args.expert_model_parallel_size,
+        )
+        files = {_ranks(name, pp, ep): os.path.join(folder, name, RANK_FILE) for name in names}
+        everyone = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+        if missing := sorted(everyone - files.keys()):
             raise ConversionError(
-                f"{folder} misses the files of (tp rank, pp rank) {missing} of its tp {tp} x pp {pp}"
+                f"{folder} misses the files of (tp rank, pp rank, ep rank) {missing} of its tp {tp} x pp {pp} "
+                f"x ep {ep}"
             )
         rows = first["model"]["wte.weight"].shape[0] * tp if "wte.weight" in first["model"] else 0
         stored = None
@@ -125,6 +131,15 @@ def inspect(load: str) -> CourseCheckpoint:
     if stored is not None:
         _check_shapes(ckpt, stored)
     return ckpt
+
+
+def _ranks(name: str, pp: int, ep: int) -> tuple[int, int, int]:
+    """``mp_rank_<tp>[_<pp>][_<ep>]`` -> (tp, pp, ep) rank: the pp rank is there with pp > 1, the
+    ep rank with ep > 1 (``checkpointing.rank_file``), so the saved sizes tell the numbers apart."""
+    tp_rank, *rest = (int(n) for n in name.removeprefix("mp_rank_").split("_"))
+    pp_rank = rest.pop(0) if pp > 1 and rest else 0
+    ep_rank = rest.pop(0) if ep > 1 and rest else 0
+    return tp_rank, pp_rank, ep_rank
 
 
 def _check_shapes(ckpt: CourseCheckpoint, stored: dict[str, tuple[int, ...]]) -> None:
@@ -160,7 +175,7 @@ def _gather_torch(ckpt: CourseCheckpoint, model: GPTModel) -> StateDict:
     ``model``'s, then put back together."""
     tp = ckpt.args.tensor_model_parallel_size
     parts: dict[str, list[torch.Tensor | None]] = {}
-    for (tp_rank, _), path in sorted(ckpt.files.items()):
+    for (tp_rank, *_), path in sorted(ckpt.files.items()):
         for name, tensor in torch.load(path, map_location="cpu", mmap=True, weights_only=False)[
             "model"
         ].items():
@@ -208,7 +223,7 @@ def write_release(save: str, args: PretrainArgs, cfg: GPTConfig, full: StateDict
             if pp > 1 and pp_rank == pp - 1 and not cfg.untie_embeddings_and_output_weights:
                 sd["output_weight"] = shard(full["wte.weight"], 0, tp, tp_rank).clone()
             sub = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-            path = os.path.join(folder, sub, "model_optim_rng.pt")
+            path = os.path.join(folder, sub, RANK_FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             ckpt = {"model": sd, "args": dataclasses.asdict(args), "iteration": 0}
             durable.write_file(path, lambda f, ckpt=ckpt: torch.save(ckpt, f))
