@@ -2,12 +2,20 @@
 
 Run from the repository root (the PNGs are committed; rerun after changing this file)::
 
-    python -m distlab.gpt.tools.diagrams            # writes images/gpt/tp_block.png, tp2_pp2_placement.png
+    python -m distlab.gpt.tools.diagrams    # writes images/gpt/tp_mlp.png, tp_block.png, gpipe.png, tp2_pp2_placement.png
+
+``tp_mlp``: the MLP over 2 tensor-parallel ranks, Y = GeLU(X A + a) C + c with A split by columns
+and C by rows, and the two operators between them (notebook 05 shows it before its exercise, so
+it names what f and g do, not how many all-reduces a layer makes).
 
 ``tp_block``: one transformer block over 2 tensor-parallel ranks (Megatron's split). Each rank
 holds half the attention heads and half the MLP columns (column-parallel: Q, K, V, fc1) then the
 matching rows (row-parallel: proj, fc2). ``f`` is the identity forward and an all-reduce backward;
 ``g`` an all-reduce forward and the identity backward: 2 all-reduces forward, 2 backward.
+
+``gpipe``: GPipe's schedule on p = 4 stages with m = 4 micro-batches, one unit of time per forward
+and per backward: the idle slots (the bubble) while the pipeline fills and drains, (p - 1)/(m + p - 1)
+of the step (notebook 05 shows it before its 1F1B exercise, so not 1F1B's order).
 
 ``tp2_pp2_placement``: world 4 = TP 2 x PP 2 x DP 1 on 2 nodes x 2 GPUs, placed in Megatron's
 rank order (``Layout``): a tensor-parallel pair inside each node, the pipeline across.
@@ -62,11 +70,22 @@ _BLOCK = [
 ]
 
 
-def draw_tp_block(out_dir: Path, heads: int = 4, ffn: int = 256) -> Path:
-    """One block over 2 tensor-parallel ranks, rank 0 on top."""
-    fig, ax = plt.subplots(figsize=(14, 3.6))
+# the MLP alone, as notebook 05's exercise writes it
+_MLP = [
+    ("X\n(b, s, h)\nthe same\non both", 1.1, "both"),
+    ("f", 0.4, "op"),
+    ("X A_r + a_r\ncolumns {cols}\n(b, s, F/t)", 1.5, "rank"),
+    ("GeLU\n= H_r", 0.8, "rank"),
+    ("Z_r = H_r C_r\nrows {cols}\npartial (b, s, h)", 1.6, "rank"),
+    ("g", 0.4, "op"),
+    ("Y = Z_0 + Z_1\n+ c\n(b, s, h)", 1.2, "both"),
+]
+
+
+def _draw_ranks(ax, block: list, heads: int, ffn: int) -> float:
+    """Two rows of boxes (rank 0 on top) for ``block``; the operators span both; the x reached."""
     x, gap = 0.0, 0.25
-    for label, w, kind in _BLOCK:
+    for label, w, kind in block:
         for r, y in enumerate((1.6, 0.2)):
             hs = f"{r * heads // 2}-{(r + 1) * heads // 2 - 1}"
             cols = f"{r * ffn // 2}-{(r + 1) * ffn // 2 - 1}"
@@ -89,12 +108,70 @@ def draw_tp_block(out_dir: Path, heads: int = 4, ffn: int = 256) -> Path:
     ax.set_xlim(-1.0, x)
     ax.set_ylim(0, 3.5)
     ax.axis("off")
+    return x
+
+
+def draw_tp_block(out_dir: Path, heads: int = 4, ffn: int = 256) -> Path:
+    """One block over 2 tensor-parallel ranks, rank 0 on top."""
+    fig, ax = plt.subplots(figsize=(14, 3.6))
+    _draw_ranks(ax, _BLOCK, heads, ffn)
     ax.set_title(
         f"One transformer block over tensor-parallel size 2 ({heads} heads, MLP width {ffn}): "
         "4 all-reduces per layer per step (g twice forward, f twice backward)",
         fontsize=10,
     )
     return _save(fig, out_dir / "tp_block.png")
+
+
+def draw_tp_mlp(out_dir: Path, ffn: int = 32) -> Path:
+    """The MLP Y = GeLU(X A + a) C + c over 2 tensor-parallel ranks, rank 0 on top, with f and g."""
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    _draw_ranks(ax, _MLP, 0, ffn)
+    ax.set_title(
+        f"The MLP Y = GeLU(X A + a) C + c over t = 2 ranks (F = {ffn} hidden units): A split by columns,\n"
+        "C by rows; f where X enters the tensor-parallel region, g where the partial sums Z_r leave it",
+        fontsize=10,
+    )
+    return _save(fig, out_dir / "tp_mlp.png")
+
+
+def gpipe_slots(p: int, m: int) -> dict[tuple[str, int, int], int]:
+    """GPipe with one unit of time per pass: (kind, micro-batch, stage) -> its slot. F_i runs on
+    stage s at slot s + i; the last stage starts B_0 after its last forward, and B_i reaches stage s
+    p - 1 - s slots later."""
+    slots = {("F", i, s): s + i for s in range(p) for i in range(m)}
+    slots.update({("B", i, s): (m + p - 1) + (p - 1 - s) + i for s in range(p) for i in range(m)})
+    return slots
+
+
+def draw_gpipe(out_dir: Path, p: int = 4, m: int = 4) -> Path:
+    """GPipe's schedule on ``p`` stages and ``m`` micro-batches, its idle slots marked."""
+    slots, end = gpipe_slots(p, m), 2 * (m + p - 1)
+    fig, ax = plt.subplots(figsize=(10, 0.55 * p + 1.2))
+    busy = {(s, t) for (_, _, s), t in slots.items()}
+    for (kind, i, s), t in slots.items():
+        face = "#6baed6" if kind == "F" else "#fd8d3c"
+        _box(ax, t + 0.05, p - 1 - s + 0.1, 0.9, 0.8, f"{kind}{i}", face, size=8)
+    for s in range(p):
+        for t in range(end):
+            if (s, t) not in busy:
+                ax.add_patch(plt.Rectangle((t + 0.05, p - 1 - s + 0.1), 0.9, 0.8, facecolor="#f0f0f0",
+                                           edgecolor="#bbbbbb", hatch="///"))  # fmt: skip
+        ax.text(-0.2, p - 1 - s + 0.5, f"stage {s}", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-1.2, end)
+    ax.set_ylim(-0.6, p)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.text(end / 2, -0.35, "time: one slot per forward (F, blue) or backward (B, orange) of one micro-batch; "
+            "hatched: idle, the bubble", ha="center", fontsize=8)  # fmt: skip
+    ax.set_title(
+        f"GPipe, p = {p} stages, m = {m} micro-batches: each stage idles {p - 1} x 2 of {end} slots, "
+        f"(p - 1)/(m + p - 1) = {p - 1}/{m + p - 1} of the step",
+        fontsize=10,
+    )
+    return _save(fig, out_dir / "gpipe.png")
 
 
 def draw_placement(out_dir: Path, nodes: int = 2, per_node: int = 2, tp: int = 2, pp: int = 2) -> Path:
@@ -141,7 +218,9 @@ def _save(fig, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     out_dir = Path(argv[0]) if argv else REPO_ROOT / "images" / "gpt"
+    print(draw_tp_mlp(out_dir))
     print(draw_tp_block(out_dir))
+    print(draw_gpipe(out_dir))
     print(draw_placement(out_dir))
 
 
