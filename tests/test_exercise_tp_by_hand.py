@@ -5,10 +5,10 @@ predictions of all-reduces.
 The notebook's own cells run here: its stub file says "not yet" (returns False, raises nothing, spawns
 nothing); typical wrong files, made from the solution's by one change each (no sum in f's backward, a
 sum in both directions in g, fc2 split along the wrong dimension or strided, its bias on every
-partial sum, no g, a sum in f's forward, a needless all-reduce, a typo) are told wrong with a hint
-that gives neither the code nor the dimension; the solution notebook's file passes, its error many
-orders of magnitude under the tolerance, in a few seconds. The predictions' cells wait, pass and fail
-the same way.
+partial sum, no g, a sum in f's forward, a needless all-reduce, a collective on one rank only, a
+typo, an exit) are told wrong with a hint that gives neither the code nor the dimension; the
+solution notebook's file passes, its error many orders of magnitude under the tolerance, in a few
+seconds. The predictions' cells wait, pass and fail the same way.
 """
 
 from __future__ import annotations
@@ -121,6 +121,22 @@ WRONG = {
         tp_by_hand.COUNT_HINT,
     ),
     "a typo": (changed("self.weight, self.bias)", "self.weights, self.bias)"), tp_by_hand.ERROR_HINT),
+    "a collective on one rank only": (
+        changed(
+            F_BACKWARD,
+            F_BACKWARD.replace(
+                "        dist.all_reduce", "        if dist.get_rank() == 0:\n            dist.all_reduce"
+            ),
+        ),
+        tp_by_hand.MISMATCH_HINT,
+    ),
+    "an exit": (
+        changed(
+            "        return F.linear(f.apply(",
+            "        raise SystemExit(3)\n        return F.linear(f.apply(",
+        ),
+        tp_by_hand.ERROR_HINT,
+    ),
 }
 
 

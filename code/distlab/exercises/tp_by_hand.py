@@ -59,6 +59,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "recv", "isend", "irecv", "barrier")  # fmt: skip
 
 ERROR_HINT = "Read the error: it names your file's line."
+MISMATCH_HINT = (
+    "A rank waited in a collective that the other rank left (or never called): every rank of the group "
+    "must call the same collectives, in the same order, on tensors of the same shape."
+)
 PARAMETER_HINT = (
     "Give ColumnParallelLinear and RowParallelLinear their weight and bias as nn.Parameter "
     "(self.weight, self.bias): the check reads their gradients there."
@@ -237,7 +241,7 @@ def _body(rank: int, path: str) -> dict:
         recorder.on = False
         report["y"], report["dx"] = _as_list(y), _as_list(x.grad)
         report["grads"] = {k: _as_list(getattr(p, "grad", None)) for k, p in params.items()}
-    except Exception as exc:  # noqa: BLE001 - the learner's code may fail anywhere; report it
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the learner's code may fail anywhere; report it
         report["error"] = learner_error(exc, path)
     return report
 
@@ -371,7 +375,8 @@ def judge(ranks: list[dict]) -> tuple[str, bool, str]:
     failed = [(r, rep["error"]) for r, rep in enumerate(ranks) if rep["error"]]
     if failed:
         r, error = failed[0]
-        return f"your code raised on rank {r}: {error}", False, ERROR_HINT
+        stranded = any(word in error for word in ("Connection closed by peer", "timed out", "Timed out"))
+        return f"your code raised on rank {r}: {error}", False, MISMATCH_HINT if stranded else ERROR_HINT
     ref = reference()
     problem = _forward_problem(ranks, ref, reference(scale_x=WORLD)) or _backward_problem(ranks, ref)
     if problem:
@@ -406,7 +411,11 @@ def check_tp_mlp(path: str | Path = "jobs/tp_mlp.py", *, name: str = NAME) -> bo
             name,
             f"write f, g and the two layers in {path} (replace every FIXME), run its cell, then this one",
         )
-    said, right, hint = judge(run(path))
+    try:
+        ranks = run(path)
+    except Exception as exc:  # noqa: BLE001 - a rank's process died (the learner's code exited or crashed)
+        return check(name, f"a rank's process ended early: {exc}", ok=lambda _: False, hint=ERROR_HINT)
+    said, right, hint = judge(ranks)
     return check(name, said, ok=lambda _: right, hint=hint)
 
 
