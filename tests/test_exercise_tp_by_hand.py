@@ -271,3 +271,51 @@ def test_the_step_prediction_waits_passes_and_fails():
     with contextlib.redirect_stdout(io.StringIO()) as out:
         exec(cell, namespace)
     assert "[ok]" in out.getvalue() and "measured in the trace: 36 per step" in out.getvalue()
+
+
+def test_notebook_05_pictures_predictions_exercises_then_the_engine():
+    """The teaching order of notebook 05: a picture, a prediction, the learner's code and its check,
+    then the engine's; each prediction before the job it predicts and checked after it; the hybrid
+    exercise before the placement section that shows its answer. Both notebooks are valid nbformat
+    and every picture they show is committed."""
+    import nbformat
+
+    for path in (NOTEBOOK, SOLUTION):
+        nbformat.validate(nbformat.read(path, as_version=4))
+        for image in re.findall(r"\]\(\.\./(images/[^)]+)\)", "".join(cells(path))):
+            assert (REPO_ROOT / image).is_file(), image
+    sources = cells(NOTEBOOK)
+
+    def at(start: str) -> int:
+        found = [i for i, c in enumerate(sources) if start in c]
+        assert len(found) == 1, (start, found)
+        return found[0]
+
+    order = [
+        "images/gpt/tp_mlp.png",
+        "predicted_allreduces_per_layer = {",
+        "%%writefile jobs/tp_mlp.py",
+        "tp_by_hand.check_tp_mlp(",
+        "tp_by_hand.check_layer_prediction(",
+        "images/gpt/tp_block.png",
+        "print(tp_communications.__doc__)",
+        "predicted_activation_allreduces = FIXME",
+        'tp2 = jobs.run("jobs/gpt-tp2.sbatch"',
+        "tp_by_hand.check_step_prediction(",
+        "images/gpt/gpipe.png",
+        "def one_f_one_b(",
+        "pipeline_order.check_order(",
+        "inspect.getsource(pipeline_schedules.run_1f1b)",
+        "predicted_bubble = {",
+        'pipe_job = jobs.run("jobs/gpt-pipeline.sbatch"',
+        "pipeline_order.check_bubble_prediction(",
+        "mine = pipeline_order.labels(",
+        "## 3. Exercise: a two-node layout from its limits",
+        "hybrid_layout.check_run(",
+        "## 4. Rank placement",
+        "images/gpt/tp2_pp2_placement.png",
+        "## Open questions",
+        "## Summary",
+    ]
+    indices = [at(s) for s in order]
+    assert indices == sorted(indices), list(zip(order, indices, strict=True))
