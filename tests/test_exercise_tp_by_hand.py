@@ -183,6 +183,27 @@ def test_the_solution_passes_with_margin(tmp_path, monkeypatch, capsys):
     assert elapsed < 10.0  # a second or two on 2 idle cores
 
 
+def test_a_right_file_in_other_words_passes(tmp_path, monkeypatch, capsys):
+    """f and g written with ``from torch.distributed import all_reduce`` (its calls still counted),
+    in place on autograd's own tensors, and fc2's part taken by slicing: right, and passes."""
+    text = SOLVED.replace(
+        "import torch.distributed as dist\n",
+        "import torch.distributed as dist\nfrom torch.distributed import all_reduce\n",
+    )
+    text = text.replace(F_BACKWARD, "        all_reduce(grad, group=ctx.group)\n        return grad, None")
+    text = text.replace(
+        "        x = x.clone()\n        dist.all_reduce(x, group=group)\n",
+        "        all_reduce(x, group=group)\n",
+    )
+    text = text.replace(
+        "full.weight.detach().chunk(t, dim=1)[r].clone()",
+        "full.weight.detach()[:, r * full.in_features // t : (r + 1) * full.in_features // t].clone()",
+    )
+    assert text.count("all_reduce(") == 2 and "dist.all_reduce" not in text and "dim=1" not in text
+    assert run_check_cell(tmp_path, monkeypatch, text) is True
+    assert "one forward called all_reduce x 1, one backward all_reduce x 1" in capsys.readouterr().out
+
+
 def test_the_reference_is_the_engines_split():
     """The shards the check expects are the engine's (``layers.shard``: fc1's rows and fc2's columns in
     contiguous blocks, as ``ColumnParallelLinear.load_full_`` and ``RowParallelLinear.load_full_``

@@ -10,7 +10,8 @@ multiplies its hidden units by its rows of C, a partial sum of Y). Two conjugate
 The learner's file (``jobs/tp_mlp.py``) defines ``f`` and ``g`` (``torch.autograd.Function``),
 ``ColumnParallelLinear`` and ``RowParallelLinear``, each built from a full ``nn.Linear`` (its
 ``weight`` stores A^T, shape (out, in)) and the group, and uses them in ``ParallelMLP(fc1, fc2,
-group)``. :func:`check_tp_mlp` runs it on :data:`WORLD` spawned gloo ranks (the CPU, on any site),
+group)``. :func:`check_tp_mlp` runs it on :data:`WORLD` gloo ranks spawned on this machine (the
+CPU, on any site; :func:`distlab.exercises.ranks.run_on_ranks`),
 in float64, against the full MLP in one process with the same weights. Judged in this order: the
 file imports and runs; each rank holds the engine's shards (``layers.shard``: fc1's rows, fc2's
 columns, fc2's bias whole); the output, X's gradient and the weights' gradients equal one
@@ -27,23 +28,17 @@ The notebook's predictions of the all-reduces are judged here too: :func:`check_
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import sys
-import tempfile
-import traceback
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distlab import progress
-from distlab.checks import check, script_untouched
+from distlab.checks import check
+from distlab.exercises.ranks import file_untouched, learner_error, not_yet, run_on_ranks
 from distlab.gpt.tensor_parallel.layers import shard
-from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
 
 NAME = "f, g and the tensor-parallel MLP"
 WORLD = 2  # t, the tensor-parallel ranks
@@ -51,9 +46,6 @@ SIZES = dict(b=2, s=3, h=8, ffn=32)  # micro batch, sequence, hidden, MLP width 
 TOLERANCE = 1e-9
 """Largest error accepted, relative to the largest value of each tensor compared (float64: a right
 answer differs by ~1e-16, the order of two sums; every usual mistake by 0.1 or more)."""
-TIMEOUT_S = 30.0
-"""How long a collective waits for a missing peer: code that leaves one rank waiting fails the
-check after this long instead of hanging the notebook."""
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "send",
                "recv", "isend", "irecv", "barrier")  # fmt: skip
@@ -175,15 +167,20 @@ def expected_shards(r: int) -> dict[str, torch.Tensor]:
 
 
 class _Recorder:
-    """Wraps torch.distributed's collectives for the whole life of the rank (the learner's file is
-    imported after, so ``from torch.distributed import all_reduce`` is recorded too); records their
-    names while ``on``."""
+    """Wraps torch.distributed's collectives, and the learner module's own names for them (``from
+    torch.distributed import all_reduce``), recording their names while ``on``."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: ModuleType) -> None:
         self.on, self.called = False, []
         for name in COLLECTIVES:
-            if hasattr(dist, name):
-                setattr(dist, name, self._wrap(name, getattr(dist, name)))
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            wrapped = self._wrap(name, original)
+            setattr(dist, name, wrapped)
+            for key, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, key, wrapped)
 
     def _wrap(self, name: str, fn):
         def recorded(*args, **kwargs):
@@ -198,32 +195,17 @@ class _Recorder:
         return called
 
 
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location("learner_tp_mlp", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def learner_error(exc: BaseException, path: str) -> str:
-    """``ExcType: message (file, line n: the line)``, at the learner's file's deepest frame."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == Path(path)]
-    where = f" ({Path(path).name}, line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
-    return f"{''.join(traceback.format_exception_only(exc)).strip()}{where}"
-
-
 def _as_list(t) -> list | None:
     return t.detach().tolist() if isinstance(t, torch.Tensor) else None
 
 
-def _body(rank: int, path: str) -> dict:
-    """The learner's ParallelMLP on this rank: its shards, Y, the gradients, the collectives."""
-    recorder = _Recorder()
+def _body(rank: int, module: ModuleType, path: str) -> dict:
+    """The learner's ParallelMLP on this rank (``ranks.run_on_ranks`` imported the file): its shards,
+    Y, the gradients, the collectives of one forward and one backward."""
+    recorder = _Recorder(module)
     group = dist.new_group(list(range(WORLD)))
     report: dict = {"error": None, "shapes": {}}
     try:
-        module = _load(path)
         fc1, fc2, x, probe = inputs()
         mlp = module.ParallelMLP(fc1, fc2, group)
         params = {"w1": mlp.fc1.weight, "b1": mlp.fc1.bias, "w2": mlp.fc2.weight, "b2": mlp.fc2.bias}
@@ -246,24 +228,10 @@ def _body(rank: int, path: str) -> dict:
     return report
 
 
-def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
-    from distlab.distributed import init_distributed, shutdown
-
-    os.environ.update(torchrun_env(rank, world, port))
-    torch.set_num_threads(1)  # the ranks share the notebook's cores
-    init_distributed("gloo", timeout_s=TIMEOUT_S)
-    try:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(_body(rank, path)))
-    finally:
-        shutdown()
-
-
 def run(path: str | Path) -> list[dict]:
-    """The learner's file on :data:`WORLD` spawned gloo ranks: each rank's report (by rank)."""
-    path = str(Path(path).resolve())
-    with tempfile.TemporaryDirectory() as out:
-        spawn_ranks(_rank, (WORLD, free_port(), path, out), WORLD)
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    """The learner's file on :data:`WORLD` spawned gloo ranks (``ranks.run_on_ranks``): each rank's
+    report, by rank."""
+    return run_on_ranks(_body, path, WORLD, str(Path(path).resolve()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,16 +365,10 @@ def judge(ranks: list[dict]) -> tuple[str, bool, str]:
     return said, True, ""
 
 
-def not_yet(name: str, what: str) -> bool:
-    print(f"[not yet] {name}: {what}")
-    progress.record(name, "not yet")
-    return False
-
-
 def check_tp_mlp(path: str | Path = "jobs/tp_mlp.py", *, name: str = NAME) -> bool:
     """Notebook 05's check: ``[not yet]`` while ``path`` is missing or holds FIXME; otherwise the
     file on :data:`WORLD` gloo ranks against one process (:func:`judge`): ``[ok]`` or ExerciseError."""
-    if not Path(path).is_file() or script_untouched(path):
+    if file_untouched(path):
         return not_yet(
             name,
             f"write f, g and the two layers in {path} (replace every FIXME), run its cell, then this one",
