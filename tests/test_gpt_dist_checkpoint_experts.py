@@ -45,7 +45,8 @@ MODEL = (
     "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 "
     "--make-vocab-size-divisible-by 128 --seed 1234 --split 949,50,1 --log-interval 1 "
     "--eval-interval 3 --eval-iters 1 --distributed-backend gloo --ckpt-format torch_dist "
-    "--num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
+    "--num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+    "--attention-dropout 0 --hidden-dropout 0"  # runs of other layouts draw other masks
 ).split()
 DISTOPT = "--use-distributed-optimizer --ddp-bucket-size 3000"
 LLAMA = (
