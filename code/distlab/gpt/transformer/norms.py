@@ -9,6 +9,14 @@ RMSNorm drops the centring and beta: one reduction instead of two, no bias. With
 ``--apply-layernorm-1p`` (megatron-core's ``layernorm_zero_centered_gamma``) the weight stored is
 gamma - 1, initialised to 0 and applied as 1 + weight, for either norm (weight decay then pulls gamma
 towards 1, not 0). ``init_parameters`` fills a norm's weight with :attr:`Norm.init_value`.
+
+Dtypes: a norm reads the residual stream in its dtype (the training dtype, or fp32 with
+``--fp32-residual-connection``) and returns the dtype the layers compute in,
+:func:`compute_dtype`, as Megatron's norms return its params dtype to the GEMM that follows. The
+statistics are fp32 inside the kernels. LayerNorm keeps fp32 weights beside a half input (the
+CPU's mixed-type kernel: backward keeps the half input, an fp32 mean and 1 / std); RMSNorm, which
+has no mixed-type kernel, takes its weight in the input's dtype, and on the CPU keeps an fp32
+copy of a half input and the fp32 normalised input (8 bytes per value whatever the input's dtype).
 """
 
 from __future__ import annotations
@@ -16,6 +24,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def compute_dtype(device_type: str, weights: torch.dtype) -> torch.dtype:
+    """The dtype the layers compute in: autocast's where it is on (--bf16 / --fp16 over fp32
+    weights), else ``weights``, the dtype of the weights as they are used (FSDP2's bf16
+    parameters, a dry run's half model, fp32). The meta device has no autocast."""
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weights
 
 
 class Norm(nn.Module):
@@ -29,11 +46,15 @@ class Norm(nn.Module):
         #: the stored weight that makes gamma = 1
         self.init_value = 0.0 if zero_centered_gamma else 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., H)
-        gamma = self.weight + 1 if self.zero_centered_gamma else self.weight
-        if self.kind == "RMSNorm":
-            return F.rms_norm(x, gamma.shape, gamma, self.eps)
-        return F.layer_norm(x, gamma.shape, gamma, self.bias, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., H) in the residual stream's dtype -> (..., H) in :func:`compute_dtype`."""
+        out = compute_dtype(x.device.type, self.weight.dtype)
+        gamma = self.weight + 1 if self.zero_centered_gamma else self.weight  # (H,)
+        if self.kind == "RMSNorm":  # the weight in x's dtype, as torch's fused kernel wants (mixed: a warning)
+            return F.rms_norm(x, gamma.shape, gamma.to(x.dtype), self.eps).to(out)
+        # the wider dtype: fp32 weights beside a half x (mixed type); half ones (FSDP2's) widen to an fp32 x
+        wide = torch.promote_types(x.dtype, gamma.dtype)
+        return F.layer_norm(x, gamma.shape, gamma.to(wide), self.bias.to(wide), self.eps).to(out)
 
     def extra_repr(self) -> str:
         one_p = ", 1p" if self.zero_centered_gamma else ""
