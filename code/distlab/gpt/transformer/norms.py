@@ -50,7 +50,7 @@ class Norm(nn.Module):
         """x (..., H) in the residual stream's dtype -> (..., H) in :func:`compute_dtype`."""
         out = compute_dtype(x.device.type, self.weight.dtype)
         gamma = self.weight + 1 if self.zero_centered_gamma else self.weight  # (H,)
-        if self.kind == "RMSNorm":  # the weight in x's dtype, as torch's fused kernel wants (mixed: a warning)
+        if self.kind == "RMSNorm":  # the weight in x's dtype, as its fused kernel wants (mixed: a warning)
             return F.rms_norm(x, gamma.shape, gamma.to(x.dtype), self.eps).to(out)
         # the wider dtype: fp32 weights beside a half x (mixed type); half ones (FSDP2's) widen to an fp32 x
         wide = torch.promote_types(x.dtype, gamma.dtype)
