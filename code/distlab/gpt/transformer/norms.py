@@ -11,28 +11,37 @@ gamma - 1, initialised to 0 and applied as 1 + weight, for either norm (weight d
 towards 1, not 0). ``init_parameters`` fills a norm's weight with :attr:`Norm.init_value`.
 
 Dtypes: a norm reads the residual stream in its dtype (the training dtype, or fp32 with
-``--fp32-residual-connection``) and returns the dtype the layers compute in,
-:func:`compute_dtype`, as Megatron's norms return its params dtype to the GEMM that follows. The
-statistics are fp32 inside the kernels. LayerNorm keeps fp32 weights beside a half input (the
-CPU's mixed-type kernel: backward keeps the half input, an fp32 mean and 1 / std); RMSNorm, which
-has no mixed-type kernel, takes its weight in the input's dtype, and on the CPU keeps an fp32
-copy of a half input and the fp32 normalised input (8 bytes per value whatever the input's dtype).
+``--fp32-residual-connection``), computes in that dtype, its weights cast to it (Megatron's are
+in its params dtype; the kernels accumulate in fp32), and returns the dtype the layers compute
+in, :func:`compute_dtype`, as Megatron's norms hand its params dtype to the GEMM that follows.
+Autocast is off inside: CUDA's runs ``layer_norm`` in fp32 and would keep an fp32 copy of a half
+input for backward. Backward keeps LayerNorm's input, in its dtype, and its mean and 1 / std per
+token; PyTorch's ``F.rms_norm`` on the CPU (no fused kernel there) keeps an fp32 copy of a half
+input and the fp32 normalised input, 8 bytes per value whatever the input's dtype.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def compute_dtype(device_type: str, weights: torch.dtype) -> torch.dtype:
-    """The dtype the layers compute in: autocast's where it is on (--bf16 / --fp16 over fp32
-    weights), else ``weights``, the dtype of the weights as they are used (FSDP2's bf16
-    parameters, a dry run's half model, fp32). The meta device has no autocast."""
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """Autocast's dtype where it is on for ``device_type`` (--bf16 / --fp16), else None (the
+    meta device has no autocast)."""
     if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return weights
+    return None
+
+
+def compute_dtype(device_type: str, weights: torch.dtype) -> torch.dtype:
+    """The dtype the layers compute in: autocast's where it is on (over fp32 weights), else
+    ``weights``, the dtype of the weights as they are used (FSDP2's bf16 parameters, a dry run's
+    half model, fp32)."""
+    return autocast_dtype(device_type) or weights
 
 
 class Norm(nn.Module):
@@ -47,14 +56,16 @@ class Norm(nn.Module):
         self.init_value = 0.0 if zero_centered_gamma else 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., H) in the residual stream's dtype -> (..., H) in :func:`compute_dtype`."""
-        out = compute_dtype(x.device.type, self.weight.dtype)
-        gamma = self.weight + 1 if self.zero_centered_gamma else self.weight  # (H,)
-        if self.kind == "RMSNorm":  # the weight in x's dtype, as its fused kernel wants (mixed: a warning)
-            return F.rms_norm(x, gamma.shape, gamma.to(x.dtype), self.eps).to(out)
-        # the wider dtype: fp32 weights beside a half x (mixed type); half ones (FSDP2's) widen to an fp32 x
-        wide = torch.promote_types(x.dtype, gamma.dtype)
-        return F.layer_norm(x, gamma.shape, gamma.to(wide), self.bias.to(wide), self.eps).to(out)
+        """x (..., H) in the residual stream's dtype -> (..., H) in :func:`compute_dtype`,
+        computed in x's dtype."""
+        amp = autocast_dtype(x.device.type)
+        gamma = (self.weight + 1 if self.zero_centered_gamma else self.weight).to(x.dtype)  # (H,)
+        with torch.autocast(x.device.type, enabled=False) if amp else contextlib.nullcontext():
+            if self.kind == "RMSNorm":
+                y = F.rms_norm(x, gamma.shape, gamma, self.eps)
+            else:
+                y = F.layer_norm(x, gamma.shape, gamma, self.bias.to(x.dtype), self.eps)
+        return y.to(amp or self.weight.dtype)  # (..., H)
 
     def extra_repr(self) -> str:
         one_p = ", 1p" if self.zero_centered_gamma else ""
