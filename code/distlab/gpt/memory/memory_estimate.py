@@ -118,8 +118,8 @@ group (``rebuilt_parameters``). Against ``torch.profiler``'s count of the CPU al
 (4 layers, h 64-256, s 256-512, bf16, every mode and both attention backends) the peak is
 within +0 to -5 %. Against the CPU meter's first-iteration peak (``memory/meters.py``; 4 layers, h
 64-256, s 512, b 16, bf16 with the residual stream in bf16 and in fp32: no recomputation, selective
-with the explicit attention, full uniform 1 and 2) the measured peak is 0.3 % to 4.3 % above the
-estimate; a whole ``pretrain`` run (8 layers, h 256, s 512, b 8) 1.0 % and 1.2 % above it
+with the explicit attention, full uniform 1 and 2) the measured peak is 0.4 % to 4.0 % above the
+estimate; a whole ``pretrain`` run's (8 layers, h 256, s 512, b 8) 1.0 % above it in both
 (``tests/test_gpt_memory_driver.py``).
 
 **Llama's blocks** (``transformer/config.py``): a block holds qkv h (a + 2g) d, proj a d h and
