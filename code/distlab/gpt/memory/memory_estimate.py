@@ -32,30 +32,24 @@ attention scores stored::
 
 This course's GPT has no dropout (dropout 0). In units of s b h values (t = tp), one block keeps::
 
-    residual stream (LN1 and LN2 inputs): fp16/bf16, or fp32 in fp32 runs      2
-      and with --fp32-residual-connection (``residual_bytes``)
+    residual stream (LN1, LN2 inputs), training dtype (--fp32-residual-connection: fp32)   2
     LN1 and LN2 outputs (qkv and fc1 inputs), whole on every tp rank           2
     q k v 3, attention output = proj input 1, GeLU input 4, fc2 input 4       12 / t
       (Llama: q and output 2 a d / h, K/V 2 g d / h (fused attention keeps the g
-      grouped heads), SwiGLU's gate, up, silu(gate), product 4 F / h; each RMSNorm
-      keeps an fp32 copy of its input and its fp32 normalised input instead of the
-      input: 4 fp32 values in place of the residual stream's 2, ``norm_input_bytes``)
+      grouped heads), SwiGLU's gate, up, silu(gate), product 4 F / h; each RMSNorm keeps 2
+      fp32 values for its 1 input, an fp32 copy and x / rms(x): ``norm_input_bytes``)
     --attention-backend unfused|local only: the softmax probabilities,
       a s / h (the b a s^2 / t scores), fp32 and, under autocast, a half copy   a s / (h t)
 
-The LN outputs and the GEMMs' inputs are in the compute dtype (autocast's); the residual stream is
-in the training dtype, as Megatron keeps it, unless ``--fp32-residual-connection`` moves it to
-fp32 (``transformer/gpt_model.py``). PyTorch's fused attention (``--attention-backend
-auto|flash|fused``) keeps no scores, only its output (the projection's input) and a log-sum-exp of
-b a s / t values (not counted). A block keeps, in bytes::
+PyTorch's fused attention (``--attention-backend auto|flash|fused``) keeps no scores, only its output
+(the projection's input) and a log-sum-exp of b a s / t values (not counted). A block keeps, in bytes::
 
                                    fused attention      explicit attention
     fp32                           4 sbh (16)           4 sbh (16 + as/h)
     autocast fp16/bf16               sbh (32)             sbh (32 + 6 as/h)
       --fp32-residual-connection     sbh (36)             sbh (36 + 6 as/h)
 
-against Korthikanti's sbh (34 + 5as/h), which has half residuals too, dropout masks (2 sbh) and a
-half softmax (5 as/h: here fp32 probabilities and their half copy, 6 as/h).
+against Korthikanti's sbh (34 + 5as/h): half residuals too, dropout masks (2 sbh), a half softmax.
 
 **Sequence parallelism** (``--sequence-parallel``, tp > 1) splits what stayed whole along the
 sequence: the residual stream (2 sbh) and the LayerNorm outputs (2 sbh: the column-parallel
@@ -64,8 +58,7 @@ term is divided by t::
 
                                    fused attention      explicit attention
     fp32                           4 sbh (16) / t       4 sbh (16 + as/h) / t
-    autocast fp16/bf16               sbh (32) / t         sbh (32 + 6 as/h) / t
-      --fp32-residual-connection     sbh (36) / t         sbh (36 + 6 as/h) / t
+    autocast fp16/bf16               sbh (32) / t         sbh (32 + 6 as/h) / t   (36 with the flag)
 
 as Korthikanti's sbh (10 + 24/t + 5as/(ht)) with tp alone becomes sbh/t (34 + 5as/h) with SP.
 PyTorch's DTensor plan (``--tensor-parallel-impl dtensor``, ``native/dtensor_parallel.py``) gathers the
@@ -82,11 +75,9 @@ micro-batch::
     none                     the block, as above
     selective                the block less its core attention's scores: 4 sbh (16) in fp32
                              with either backend (fused attention had no scores to drop)
-    full uniform N           each group of N blocks keeps its input, r sbh bytes
+    full uniform N           each group of N blocks keeps its input, r sbh bytes (``residual_bytes``)
     full block N             the stage's first N blocks keep their input, r sbh bytes each, the
                              other L / pp - N the block as above
-
-(r = ``residual_bytes``: 2 under fp16 / bf16, 4 in fp32 and with --fp32-residual-connection.)
 
 **The peak is in backward** (``backward_moments``), at the largest of these moments::
 
@@ -96,8 +87,8 @@ micro-batch::
               head and of the blocks from u's last on, at 4 bytes / parameter)
 
 A unit is a checkpointed group or a single block, taken by backward in reverse order. ``W_u``,
-through u's last block, is the larger of (sbh in bytes, p = 2 under autocast, 4 in fp32; r the
-residual stream's bytes, n what a norm keeps of its input, ``norm_input_bytes``)::
+through u's last block, is the larger of (sbh in bytes, p = 2 under autocast, 4 in fp32; n the
+bytes a norm keeps of its input)::
 
     MLP       K + r sbh + p sbh (1 + 4 / t)
     softmax   K + r sbh - (n + p (1 + 9 / t)) sbh + 12 b (a/t) s^2 - (scores kept)
@@ -114,13 +105,9 @@ recomputation a rebuilt group holds whole blocks again while the gradients made 
 to all of them (the first group: every gradient and one rebuilt group, next to Adam's state after
 the first iteration). Autocast's half copies of a checkpointed group's weights live only while
 it is rebuilt: the estimate keeps the copies of the non-checkpointed blocks and of the largest
-group (``rebuilt_parameters``). Against ``torch.profiler``'s count of the CPU allocator's bytes
-(4 layers, h 64-256, s 256-512, bf16, every mode and both attention backends) the peak is
-within +0 to -5 %. Against the CPU meter's first-iteration peak (``memory/meters.py``; 4 layers, h
-64-256, s 512, b 16, bf16 with the residual stream in bf16 and in fp32: no recomputation, selective
-with the explicit attention, full uniform 1 and 2) the measured peak is 0.4 % to 4.0 % above the
-estimate; a whole ``pretrain`` run's (8 layers, h 256, s 512, b 8) 1.0 % above it in both
-(``tests/test_gpt_memory_driver.py``).
+group (``rebuilt_parameters``). The CPU meter's first-iteration peak (4 layers, h 64-256, s 512,
+bf16, the residual stream bf16 or fp32, every recomputation mode) is 0.4 % to 4.0 % above the
+estimate, a ``pretrain`` run's 1.0 % (``tests/test_gpt_memory_driver.py``).
 
 **Llama's blocks** (``transformer/config.py``): a block holds qkv h (a + 2g) d, proj a d h and
 SwiGLU's 3 h F weights, no biases with ``--disable-bias-linear``, one weight per RMSNorm; no
@@ -225,16 +212,14 @@ def block_bytes(c: MemorySetup) -> float:
 
 
 def residual_bytes(c: MemorySetup) -> int:
-    """Bytes per value of the residual stream: 2 under fp16 / bf16, 4 in fp32 and with
-    ``--fp32-residual-connection``."""
+    """Bytes per residual stream value: 2 in fp16 / bf16, 4 in fp32 or with fp32_residual_connection."""
     return 2 if c.precision in _HALF and not c.fp32_residual_connection else 4
 
 
 def norm_input_bytes(c: MemorySetup) -> int:
     """Bytes per (b, s, h) value a norm keeps of its input for backward (``transformer/norms.py``):
-    LayerNorm the input itself, in the residual stream's dtype (and a mean and 1 / std per token);
-    RMSNorm, in PyTorch's ``F.rms_norm``, an fp32 copy of it and its fp32 normalised input x / rms(x)
-    (for the weight's gradient), 8 bytes whatever the residual's dtype."""
+    LayerNorm the input, in the residual stream's dtype; RMSNorm (``F.rms_norm`` on the CPU) an fp32
+    copy of it and the fp32 x / rms(x) for the weight's gradient, whatever the residual's dtype."""
     return 8 if c.normalization == "RMSNorm" else residual_bytes(c)
 
 
@@ -248,11 +233,8 @@ def chunk_layers_bytes(c: MemorySetup) -> float:
     recomputation mode; with v = 1 the chunk is the stage."""
     if c.recompute_granularity == "selective":
         return (c.num_layers // (c.pp * c.vp)) * (block_bytes(c) - scores_bytes(c))
-    kept = [
-        residual_bytes(c) * _outside_sbh(c) if ckpt else (end - first) * block_bytes(c)
-        for first, end, ckpt in _groups(c)
-    ]
-    return sum(kept)  # a checkpointed group keeps its input only, in the residual stream's dtype
+    group_input = residual_bytes(c) * _outside_sbh(c)  # all a checkpointed group keeps
+    return sum(group_input if ckpt else (end - first) * block_bytes(c) for first, end, ckpt in _groups(c))
 
 
 def stage_layers_bytes(c: MemorySetup) -> float:
@@ -275,9 +257,8 @@ def chunks_in_flight(c: MemorySetup) -> int:
 
 
 def head_bytes(c: MemorySetup) -> float:
-    """Loss head: what the final norm keeps of its input (``norm_input_bytes``) and its output,
-    which the output layer keeps (the compute dtype), s b h each (/ t with SP); three b s V fp32
-    tensors at its backward."""
+    """Loss head: what the final norm keeps of its input and its output (the compute dtype), s b h
+    each (/ t with SP); three b s V fp32 tensors at its backward."""
     per_value = 2 if c.precision in _HALF else 4
     bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / vocab_split(c)
     ln_f = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)  # DTensor gathers before ln_f
@@ -324,10 +305,9 @@ def _unit_backward(c: MemorySetup, first: int, end: int, ckpt: bool) -> float:
         softmax   K + R - (MLP side) + (12 b (a/t) s^2 - scores kept)    explicit attention only
 
     ``K`` its blocks' activations (a checkpointed group's rebuilt, whose first input is the one
-    it kept; selective: without the scores), ``R`` = r s b h the residual stream's gradient, in its
-    dtype (``residual_bytes``).
-    The MLP's backward adds fc2's output gradient (b, s, h) and GeLU's (b, s, 4h / t) beside
-    fc2's input; at the attention's softmax the block's second half is freed
+    it kept; selective: without the scores), ``R`` = r s b h the residual stream's gradient
+    (``residual_bytes``). The MLP's backward adds fc2's output gradient (b, s, h) and GeLU's
+    (b, s, 4h / t) beside fc2's input; at the attention's softmax the block's second half is freed
     (``_mlp_side_bytes``) and the attention's backward holds ``attention_backward_bytes`` (the
     rebuilt scores under selective recomputation: the whole 12 b (a/t) s^2)."""
     per_value = 2 if c.precision in _HALF else 4
