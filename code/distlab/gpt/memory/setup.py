@@ -38,8 +38,6 @@ class MemorySetup:
     """b."""
     precision: str = "fp32"
     """fp32, fp16 or bf16 (autocast over fp32 weights, as ``pretrain_gpt.py`` runs)."""
-    fp32_residual_connection: bool = False
-    """``--fp32-residual-connection``: the residual stream in fp32 under fp16 / bf16 (else half)."""
     recompute_granularity: str | None = None
     """None, "selective" or "full" (``--recompute-granularity``; ``--recompute-activations`` is selective)."""
     recompute_method: str | None = None
@@ -95,6 +93,8 @@ class MemorySetup:
     """Only learned_absolute holds a (s, h) position table."""
     untie_embeddings_and_output_weights: bool = False
     """The last stage holds its own (V, h) output layer."""
+    fp32_residual_connection: bool = False
+    """``--fp32-residual-connection``: the residual stream in fp32 under fp16 / bf16 (else half)."""
 
     def __post_init__(self) -> None:
         check_model_layout(self.shape, self.layout)  # the run's rules (distlab/gpt/model_layout.py)
