@@ -83,6 +83,30 @@ def test_a_run_names_its_tokenizer(files):
         check(argv)
 
 
+def test_fp32_residual_connection_reaches_the_model_and_the_pipeline(files):
+    """Megatron's flag, default off: the residual stream in the --bf16 / --fp16 dtype, which the
+    pipeline's stages exchange; with it, fp32 (GPTConfig's field, Precision's residual dtype)."""
+    from distlab.gpt.arguments.to_configs import model_config, precision_config
+
+    for extra, flag, residual in (
+        ([], False, torch.bfloat16),
+        (["--fp32-residual-connection"], True, torch.float32),
+    ):
+        args, _ = check([*BASE, *files, "--bf16", *extra])
+        assert (
+            args.fp32_residual_connection is flag and model_config(args, 256).fp32_residual_connection is flag
+        )
+        precision = precision_config(args)
+        assert precision.residual_dtype == residual
+        assert precision.describe(torch.device("cpu")).endswith(
+            "residual stream in fp32 (--fp32-residual-connection)" if flag else "residual stream in bf16"
+        )
+    args, _ = check([*BASE, *files, "--fp16", "--fp32-residual-connection"])
+    assert precision_config(args).residual_dtype == torch.float32
+    args, _ = check([*BASE, *files])
+    assert precision_config(args).residual_dtype == torch.float32 and not args.fp32_residual_connection
+
+
 def test_unknown_argument_is_named(files, capsys):
     with pytest.raises(SystemExit):
         parse_args([*BASE, *files, "--num-layer", "3"])
@@ -98,6 +122,12 @@ def test_unknown_argument_is_named(files, capsys):
             "--global-batch-size 12 is not divisible by --micro-batch-size 2 x data-parallel size 4 = 8",
         ),
         (["--fp16", "--bf16"], 4, "--fp16 and --bf16 were both given"),
+        (
+            ["--fp32-residual-connection"],
+            4,
+            "--fp32-residual-connection without --bf16 or --fp16: an fp32 run's residual stream is fp32 "
+            "already",
+        ),
         (["--num-attention-heads", "3"], 4, "--hidden-size 64 is not divisible by --num-attention-heads 3"),
         (
             ["--tensor-model-parallel-size", "8"],

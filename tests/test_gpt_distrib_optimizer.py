@@ -251,9 +251,10 @@ def _bf16_rank(ctx) -> None:
     plain = _train(state, 4, distopt=False, autocast=autocast).losses
     # The distributed optimizer keeps the model's weights in bf16 (Megatron's --bf16: each weight
     # the fp32 main parameter rounded, relative error <= 2^-8); the plain optimizer keeps them in
-    # fp32 and autocast rounds them only for its bf16 GEMMs, so LayerNorms, embeddings and the
-    # residual stream differ by bf16 roundings. Bound: bf16's unit round-off 2^-8, relative (seen:
-    # 1e-4 relative after 3 steps; a wrong gradient or update moves the loss by far more).
+    # fp32 and autocast rounds them only where it computes (the residual stream is bf16 in both),
+    # so the embeddings' sums and the gradients differ by bf16 roundings. Bound: bf16's unit
+    # round-off 2^-8, relative (seen: 1e-4 relative after 3 steps; a wrong gradient or update
+    # moves the loss by far more).
     torch.testing.assert_close(torch.tensor(mine), torch.tensor(plain), rtol=2**-8, atol=0)
     assert mine != plain, "the same losses: the distributed run did not keep bf16 weights"
 

@@ -3,10 +3,12 @@
 One 1-process plain run (4 micro-batches of 2 per step) is the reference. One spawned group of 2
 gloo ranks then trains the same GPT on the same global batches (2 micro-batches per rank and step,
 so gradient accumulation runs without and then with the reduce-scatter) with FSDP2 four ways:
-reshard_after_forward True and False, CPUOffloadPolicy, and MixedPrecisionPolicy bf16. In fp32
-FSDP2 is the plain step's arithmetic reordered (all-gather, reduce-scatter of the same sums): the
-losses agree to fp32 rounding (found: within one ulp, 8e-8 relative), the grad norms too (1.1e-7).
-bf16 parameters and compute move the losses by about 2e-4 over 3 steps.
+reshard_after_forward True and False, CPUOffloadPolicy, and MixedPrecisionPolicy bf16, with the
+residual stream in bf16 and, with --fp32-residual-connection, in fp32 (the blocks' inputs then
+not cast by the policy). In fp32 FSDP2 is the plain step's arithmetic reordered (all-gather,
+reduce-scatter of the same sums): the losses agree to fp32 rounding (found: within one ulp, 8e-8
+relative), the grad norms too (1.1e-7). bf16 parameters and compute move the losses by about 2e-4
+over 3 steps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ FSDP2 = {  # name: the flags after --use-torch-fsdp2
     "no_reshard": ["--torch-fsdp2-no-reshard-after-forward"],  # Megatron-LM's spelling
     "cpu_offload": ["--torch-fsdp2-cpu-offload"],
     "bf16": ["--bf16"],
+    "bf16_fp32_residual": ["--bf16", "--fp32-residual-connection"],
 }
 
 
@@ -65,7 +68,14 @@ def _train(ctx: DistContext, argv: list[str]) -> dict:
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     native = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()  # DTensor's own
     run.backend.close()
-    run.model.reshard()  # the final validation's forward left the root's parameters gathered
+    residual: set[str] = set()  # the dtype each block receives, after FSDP2's own pre-hook
+    hooks = [block.register_forward_pre_hook(lambda m, a, kw: residual.add(str(a[0].dtype)), with_kwargs=True)
+             for block in run.model.layers.values()]  # fmt: skip
+    with torch.no_grad():
+        run.model(torch.zeros(2, 32, dtype=torch.long))  # tokens (b, T)
+    for hook in hooks:
+        hook.remove()
+    run.model.reshard()  # the last forward left the root's parameters gathered
     return {
         "losses": history["losses"],
         "grad_norms": history["grad_norms"],
@@ -74,6 +84,7 @@ def _train(ctx: DistContext, argv: list[str]) -> dict:
         "tensors": len(params),
         "optimizer_on_shards": all(isinstance(p, DTensor) for p in params),
         "norm": [float(fsdp2.grad_norm(params)), float(native)],
+        "residual": sorted(residual),
     }
 
 
@@ -132,12 +143,21 @@ def test_memory_line_shows_half_per_rank(runs) -> None:
         assert mem["optimizer_state"] == 2 * mem["parameters"] + 4 * rank["reshard"]["tensors"]  # + steps
 
 
-def test_bf16_mixed_precision_trains_close_to_fp32(runs) -> None:
+@pytest.mark.parametrize(
+    "name, residual, line",
+    [
+        ("bf16", "torch.bfloat16", "residual stream in bf16"),
+        ("bf16_fp32_residual", "torch.float32", "residual stream in fp32 (--fp32-residual-connection)"),
+    ],
+)
+def test_bf16_mixed_precision_trains_close_to_fp32(runs, name: str, residual: str, line: str) -> None:
     plain, ranks = runs
-    bf16 = ranks[1]["bf16"]
+    bf16 = ranks[1][name]
     assert all(torch.isfinite(torch.tensor(bf16["losses"])))
     assert bf16["losses"][-1] < bf16["losses"][0]
     torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(plain["losses"]), rtol=0, atol=0.01)
+    assert [rank[name]["residual"] for rank in ranks] == [[residual]] * 2  # what the blocks receive
+    assert line in ranks[0][name]["log"]
 
 
 def _refusal(data: list[str], *flags: str, world_size: int = 4) -> str:

@@ -1,6 +1,7 @@
-"""The driver's memory paths: the meter, the predicted-vs-measured line, the CUDA budget's
-messages, ``--deepspeed`` (ZeRO-3 through ``pretrain_gpt.py``) against the plain engine, and
-the teardown that frees a ZeRO run's process groups before ``pretrain`` returns."""
+"""The driver's memory paths: the meter, the predicted-vs-measured line (a --bf16 run with and
+without --fp32-residual-connection), the CUDA budget's messages, ``--deepspeed`` (ZeRO-3 through
+``pretrain_gpt.py``) against the plain engine, and the teardown that frees a ZeRO run's process
+groups before ``pretrain`` returns."""
 
 from __future__ import annotations
 
@@ -40,6 +41,30 @@ def test_budget_and_out_of_memory_messages() -> None:
         "CUDA out of memory. Tried to allocate 512.00 MiB (GPU 0; 15.78 GiB total)"
     )
     assert "(no --device-memory-gib cap)" in out_of_memory_message(exc, 8, None)
+
+
+def test_bf16_run_peak_as_predicted_with_either_residual_dtype(tmp_path) -> None:
+    """The run's own line, ``> memory: predicted peak | measured | error``, after its first
+    iteration: within 5% (recomputation's bound, ``test_gpt_memory_recompute.py``) with the
+    residual stream in bf16 and in fp32. Eight blocks of fused attention keep 32 s b h bytes each,
+    36 with the flag: the peaks differ by about 11%, so each run's peak misses the other's
+    prediction by more than 5%, and an estimate that ignored the flag would fail one of the runs."""
+    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--num-layers", "8",
+            "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "512", "--micro-batch-size", "8",
+            "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-4", "--eval-iters", "0", "--bf16"]  # fmt: skip
+    runs = {
+        name: spawn_pretrain(argv + flags, 1, tmp_path / name)
+        for name, flags in (("bf16", []), ("fp32", ["--fp32-residual-connection"]))
+    }
+    found = {name: prediction(run.log) for name, run in runs.items()}
+    assert "residual stream in bf16" in runs["bf16"].log
+    assert "residual stream in fp32 (--fp32-residual-connection)" in runs["fp32"].log
+    for name, line in found.items():
+        assert abs(line["error"]) < 5, (name, line)
+    bf16, fp32 = found["bf16"], found["fp32"]
+    assert fp32["predicted"] > 1.08 * bf16["predicted"], found
+    assert abs(bf16["measured"] / fp32["predicted"] - 1) > 0.05, found
+    assert abs(fp32["measured"] / bf16["predicted"] - 1) > 0.05, found
 
 
 def test_deepspeed_zero3_run_matches_the_plain_engine(tmp_path) -> None:

@@ -61,9 +61,15 @@ def test_korthikanti() -> None:
 
 def test_layer_activations_by_precision_tp_recompute() -> None:
     assert block_bytes(tiny()) == 64 * SBH == 2_097_152  # 16 fp32 values per s b h
-    assert block_bytes(tiny(precision="bf16")) == 36 * SBH  # 2 fp32 + 14 half
+    assert block_bytes(tiny(precision="bf16")) == 32 * SBH  # 16 half: the residual stream too
+    assert block_bytes(tiny(precision="bf16", fp32_residual_connection=True)) == 36 * SBH  # 2 fp32 + 14 half
     assert block_bytes(tiny(tp=2)) == (8 + 4 * 2 + 4 * 12 / 2) * SBH  # 12 of 16 split
     assert stage_layers_bytes(tiny(**FULL_1)) == 4 * 4 * SBH  # each block's input only
+    assert stage_layers_bytes(tiny(precision="bf16", **FULL_1)) == 4 * 2 * SBH  # in the residual's bf16
+    assert stage_layers_bytes(tiny(precision="fp16", fp32_residual_connection=True, **FULL_1)) == 4 * 4 * SBH
+    # RMSNorm keeps an fp32 copy of its input and its fp32 normalised input, whatever the residual's dtype
+    rms = [tiny(precision="bf16", normalization="RMSNorm", fp32_residual_connection=f) for f in (False, True)]
+    assert block_bytes(rms[0]) == block_bytes(rms[1]) == (2 * 8 + 14 * 2) * SBH
 
 
 def test_activations_head_recompute_and_pipeline() -> None:
@@ -79,25 +85,31 @@ def test_activations_head_recompute_and_pipeline() -> None:
     assert activation_bytes(gpipe) == 2 * 64 * SBH * 8 + 24 * SBH
 
 
-def test_backward_of_a_rebuilt_block() -> None:
+@pytest.mark.parametrize("fp32_residual", [False, True], ids=["bf16 residual", "fp32 residual"])
+def test_backward_of_a_rebuilt_block(fp32_residual: bool) -> None:
     """Selective recomputation rebuilds a block's scores and its attention backward holds
     12 b a s^2 bytes beside what the other blocks keep; full recomputation rebuilds a whole block
-    next to the gradients made so far (module docstring of memory_estimate)."""
+    next to the gradients made so far (module docstring of memory_estimate). Under bf16 the
+    residual stream, its gradient and a checkpointed group's input take r = 2 bytes per value,
+    4 with --fp32-residual-connection."""
+    r = 4 if fp32_residual else 2
     bas2 = 4 * 4 * 128 * 128  # b a s^2
-    c = tiny(precision="bf16", attention_backend="unfused", recompute_granularity="selective", vocab_size=256)
-    kept = 36 * SBH  # per block: 2 fp32 + 14 half s b h values, no scores
-    mlp_side = (4 + 2 * (1 + 9)) * SBH  # LN2's fp32 input, its output and 9 half values, freed
-    softmax = 4 * kept + 4 * SBH - mlp_side + 12 * bas2  # the last block's, at its softmax backward
-    mlp = 4 * kept + 4 * SBH + 2 * (1 + 4) * SBH  # its MLP's backward: fc2's output and GeLU's gradients
-    head = 4 * (2 * SBH + 3 * 4 * 128 * 256)
+    bf16 = dict(precision="bf16", fp32_residual_connection=fp32_residual, vocab_size=256)
+    c = tiny(**bf16, attention_backend="unfused", recompute_granularity="selective")
+    kept = (2 * r + 14 * 2) * SBH  # per block: 2 residual + 14 half s b h values, no scores
+    mlp_side = (r + 2 * (1 + 9)) * SBH  # LN2's input, its output and 9 half values, freed
+    softmax = 4 * kept + r * SBH - mlp_side + 12 * bas2  # the last block's, at its softmax backward
+    mlp = 4 * kept + r * SBH + 2 * (1 + 4) * SBH  # its MLP's backward: fc2's output and GeLU's gradients
+    head = (r + 2) * SBH + 4 * 3 * 4 * 128 * 256  # the final LN's input and half output, 3 fp32 (b, s, V)
     assert activation_bytes(c) == max(softmax, mlp, 4 * kept + head) == softmax
-    full = tiny(precision="bf16", vocab_size=256, **FULL_1)  # fused attention: no scores
+    full = tiny(**bf16, **FULL_1)  # fused attention: no scores
     n, layer = stage_parameters(full), 12 * 64 * 64 + 13 * 64
     e = estimate(full)
-    # a rebuilt block (36), the residual's gradient (4), its MLP's backward (2 (1 + 4)), in s b h
-    first_group = 0 * 4 * SBH + (36 + 4 + 10) * SBH + 4 * n  # block 0 rebuilt, every gradient made
-    last_group = 3 * 4 * SBH + (36 + 4 + 10) * SBH + 4 * (n - 3 * layer)  # blocks 0-2's not yet
-    head_moment = 4 * 4 * SBH + 4 * (2 * SBH + 3 * 4 * 128 * 256) + 4 * (n - 4 * layer)
+    # a rebuilt block, the residual's gradient (r), its MLP's backward (2 (1 + 4)), in s b h
+    rebuilt = kept + r * SBH + 10 * SBH
+    first_group = 0 * r * SBH + rebuilt + 4 * n  # block 0 rebuilt, every gradient made
+    last_group = 3 * r * SBH + rebuilt + 4 * (n - 3 * layer)  # blocks 0-2's not yet
+    head_moment = 4 * r * SBH + head + 4 * (n - 4 * layer)
     assert e.activations_and_gradients == max(first_group, last_group, head_moment)
     copies = 2 * (n - 3 * layer)  # autocast's copies: of one rebuilt block, not of the other 3
     assert e.half_weight_copies == copies
@@ -143,6 +155,10 @@ def test_bad_setups_fail_with_the_values() -> None:
     with pytest.raises(ValueError, match="zero stage 4"):
         tiny(zero_stage=4)
     with pytest.raises(
+        ValueError, match="fp32_residual_connection with precision 'fp32'.*give precision fp16"
+    ):
+        tiny(fp32_residual_connection=True)
+    with pytest.raises(
         ValueError, match="--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"
     ):
         tiny(pp=3)
@@ -163,11 +179,13 @@ def test_prediction_line_and_cpu_peak() -> None:
 def test_from_run_reads_the_arguments_and_the_layout() -> None:
     args = PretrainArgs(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=128, bf16=True,
                         recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
-                        attention_backend="unfused", pipeline_schedule="gpipe")  # fmt: skip
+                        attention_backend="unfused", pipeline_schedule="gpipe",
+                        fp32_residual_connection=True)  # fmt: skip
     layout = Layout(8, tp=2, pp=2, micro_batch_size=4, global_batch_size=32)  # dp 2, m = 32 / (4 x 2) = 4
     zero = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert MemorySetup.from_run(args, layout, 4096, zero) == MemorySetup(
-        4, 64, 4, 128, 4096, 4, precision="bf16", recompute_granularity="full", recompute_method="block",
+        4, 64, 4, 128, 4096, 4, precision="bf16", fp32_residual_connection=True,
+        recompute_granularity="full", recompute_method="block",
         recompute_num_layers=1, attention_backend="unfused", num_micro_batches=4, tp=2, pp=2, dp=2,
         pipeline_schedule="gpipe", zero_stage=2, offload=True,
     )  # fmt: skip

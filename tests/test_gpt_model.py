@@ -79,3 +79,35 @@ def test_recomputation_gives_the_same_gradients():  # every mode and backend: te
         grads.append({k: p.grad for k, p in model.named_parameters()})
     for k, g in grads[0].items():
         torch.testing.assert_close(grads[1][k], g)
+
+
+@pytest.mark.parametrize(
+    "precision, fp32_residual, residual",
+    [("bf16", False, torch.bfloat16), ("bf16", True, torch.float32), ("fp16", False, torch.float16),
+     ("fp32", False, torch.float32)],
+)  # fmt: skip
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_residual_stream_dtype_follows_fp32_residual_connection(
+    precision: str, fp32_residual: bool, residual: torch.dtype, normalization: str
+) -> None:
+    """Under autocast (--bf16 / --fp16) every block's input, the residual stream, is in the
+    training dtype, and in fp32 with --fp32-residual-connection (Megatron's); its norms return
+    the compute dtype either way, its output keeps the input's dtype; fp32 runs are fp32 throughout."""
+    model = GPTModel(GPTConfig(**CFG, normalization=normalization, fp32_residual_connection=fp32_residual))
+    seen: dict[str, list[torch.dtype]] = {"in": [], "ln": [], "out": []}
+    for block in model.layers.values():
+        block.register_forward_pre_hook(
+            lambda m, args, kw: seen["in"].append(args[0].dtype), with_kwargs=True
+        )
+        block.register_forward_hook(lambda m, args, out: seen["out"].append(out.dtype))
+        for norm in (block.ln1, block.ln2):
+            norm.register_forward_hook(lambda m, args, out: seen["ln"].append(out.dtype))
+    amp = torch.float16 if precision == "fp16" else torch.bfloat16
+    tokens, labels = batch()
+    with torch.autocast("cpu", dtype=amp, enabled=precision != "fp32"):
+        loss = model(tokens, labels).mean()
+    loss.backward()
+    compute = torch.float32 if precision == "fp32" else amp
+    assert seen == {"in": [residual] * 4, "ln": [compute] * 8, "out": [residual] * 4}
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

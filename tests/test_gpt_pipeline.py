@@ -1,4 +1,5 @@
-"""GPipe and 1F1B on a toy stack of layers against one process; timeline order and plot.
+"""GPipe and 1F1B on a toy stack of layers against one process; timeline order and plot; the
+GPT's residual stream between two stages under --bf16.
 
 The toy model has the GPT's shape of problem: a tied matrix W used by the first stage
 (h = x W) and the last (out = h W^T), L tanh-linear layers between, an MSE loss per
@@ -7,7 +8,9 @@ micro-batch. One group of 4 gloo processes runs every layout and schedule.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -18,8 +21,13 @@ from torch import nn
 from torch.testing import assert_close
 
 from distlab.distributed import DistContext
+from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.arguments.to_configs import model_config, precision_config
+from distlab.gpt.build import build_forward_backward
 from distlab.gpt.distributed.gradients import reduce_gradients
 from distlab.gpt.layout import Layout
+from distlab.gpt.optimizer.optimizer import build_optimizer
+from distlab.gpt.optimizer.optimizer_config import OptimizerConfig
 from distlab.gpt.parallel_state import ParallelState
 from distlab.gpt.pipeline_parallel.p2p_communication import P2PSpec
 from distlab.gpt.pipeline_parallel.plot import plot_timelines
@@ -30,6 +38,8 @@ from distlab.gpt.pipeline_parallel.timeline import (
     save_timeline,
     theoretical_bubble,
 )
+from distlab.gpt.training.training import LocalBackend, train_step
+from distlab.gpt.transformer.gpt_model import GPTModel
 from tests.conftest import run_gloo
 
 pytestmark = pytest.mark.timeout(240)
@@ -236,3 +246,49 @@ def test_bad_schedule_is_named() -> None:
             spec=P2PSpec((1,), torch.float32, torch.device("cpu")),
             schedule="zigzag",
         )
+
+
+def _residual_stream_worker(ctx: DistContext, out: str) -> None:
+    """The GPT on pp 2 under --bf16, without and with --fp32-residual-connection, through the
+    driver's pieces (``precision_config``, ``model_config``, ``build_forward_backward``): the
+    dtype of each stage's first block input (stage 0: the embeddings' output; stage 1: what
+    stage 0 sent), the pipeline's message dtype and four 1F1B steps' losses on one batch."""
+    state = ParallelState.build(Layout(2, pp=2, micro_batch_size=2, global_batch_size=8))
+    tokens = torch.randint(0, 256, (4, 2, 17), generator=torch.Generator().manual_seed(0))  # m x (b, T + 1)
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]  # tokens, labels: (b, T) each
+    results = {}
+    for flag in (False, True):
+        args = PretrainArgs(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                            max_position_embeddings=16, micro_batch_size=2, bf16=True,
+                            fp32_residual_connection=flag)  # fmt: skip
+        precision = precision_config(args)
+        model = GPTModel(model_config(args, 256), state)
+        seen: list[str] = []
+        first = next(iter(model.layers.values()))
+        first.register_forward_pre_hook(
+            lambda m, a, kw, seen=seen: seen.append(str(a[0].dtype)), with_kwargs=True
+        )
+        run = build_forward_backward(args, state, ctx.device, None, precision.residual_dtype)
+        backend = LocalBackend(model, build_optimizer(model, OptimizerConfig(lr=1e-2)), state, clip_grad=1.0)
+        amp = functools.partial(precision.autocast, ctx.device)
+        steps = [
+            train_step(backend, batches, state=state, autocast=amp, forward_backward_fn=run) for _ in range(4)
+        ]
+        results[str(flag)] = {"inputs": sorted(set(seen)), "messages": str(run.spec.dtype),
+                              "losses": [float(r.loss) for r in steps]}  # fmt: skip
+    Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(results))
+
+
+def test_gpt_residual_stream_between_stages_follows_fp32_residual_connection(tmp_path: Path) -> None:
+    """Under --bf16 both stages' blocks receive a bf16 residual stream and the stages exchange
+    bf16; with --fp32-residual-connection fp32 (Megatron's pipeline_dtype, overridden to fp32).
+    Both train: four steps on one batch lower the loss, to nearly the same values."""
+    run_gloo(_residual_stream_worker, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for flag, dtype in (("False", "torch.bfloat16"), ("True", "torch.float32")):
+        for rank in ranks:
+            assert rank[flag]["inputs"] == [dtype] and rank[flag]["messages"] == dtype, (flag, rank[flag])
+        losses = ranks[1][flag]["losses"]
+        assert ranks[0][flag]["losses"] == losses and all(map(math.isfinite, losses)), losses
+        assert losses[-1] < losses[0] - 0.3, losses
+    assert_close(ranks[1]["True"]["losses"], ranks[1]["False"]["losses"], rtol=2e-2, atol=0)

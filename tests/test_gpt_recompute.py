@@ -173,10 +173,14 @@ def stage_live_bytes(precision: str | None, **cfg) -> tuple[float, float]:
 
     Measured: the CPU allocator's total from the profiler's ``[memory]`` events, end minus start
     (its output is alive, its input was allocated before: one block input each way), less
-    autocast's half copies of the weights (the estimator counts them apart)."""
+    autocast's half copies of the weights (the estimator counts them apart; a checkpointed block's
+    live only through its own forward). The input comes in the residual stream's dtype, as the
+    pipeline sends it: bf16, or fp32 in fp32 and with ``fp32_residual_connection``."""
     b, s, h, a = 4, 128, 64, 4
     model = GPTModel(GPTConfig(9, h, a, 128, s, **cfg), ParallelState(Layout(3, pp=3), rank=1))
-    model.set_input_tensor(torch.randn(b, s, h, requires_grad=True))  # (b, T, H) from stage 0
+    fp32 = precision is None or cfg.get("fp32_residual_connection", False)
+    x = torch.randn(b, s, h, dtype=torch.float32 if fp32 else torch.bfloat16, requires_grad=True)
+    model.set_input_tensor(x)  # (b, T, H) from stage 0
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision else contextlib.nullcontext()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, autocast:
         out = model(None)  # noqa: F841 - kept alive until measured
@@ -185,9 +189,15 @@ def stage_live_bytes(precision: str | None, **cfg) -> tuple[float, float]:
         with open(f"{folder}/trace.json") as f:
             events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
     measured = events[-1]["Total Allocated"] - (events[0]["Total Allocated"] - events[0]["Bytes"])
-    copies = (
-        2 * sum(p.numel() for name, p in model.named_parameters() if ".ln" not in name) if precision else 0
+    blocks = list(model.layers.values())
+    uncheckpointed = [block for first, end, ckpt in model.groups if not ckpt for block in blocks[first:end]]
+    weights = sum(
+        p.numel()
+        for block in uncheckpointed
+        for name, p in block.named_parameters()
+        if not name.startswith("ln")
     )
+    copies = 2 * weights if precision else 0
     setup = MemorySetup(9, h, a, s, 128, b, precision=precision or "fp32", pp=3, **cfg)
     return measured - copies, stage_layers_bytes(setup)
 
@@ -202,10 +212,28 @@ def stage_live_bytes(precision: str | None, **cfg) -> tuple[float, float]:
         (None, dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)),
         ("bf16", {}),
         ("bf16", dict(attention_backend="unfused")),
+        ("bf16", dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)),
+        ("bf16", dict(fp32_residual_connection=True)),
+        ("bf16", dict(attention_backend="unfused", fp32_residual_connection=True)),
+        ("bf16", dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
+                      fp32_residual_connection=True)),
     ],
-)
+)  # fmt: skip
 def test_estimator_matches_what_a_stage_keeps(precision: str | None, cfg: dict) -> None:
     measured, predicted = stage_live_bytes(precision, **cfg)
     assert measured == pytest.approx(predicted, rel=0.02, abs=SBH), (
         f"measured {measured}, predicted {predicted}"
     )
+
+
+def test_a_stage_keeps_the_residual_stream_in_its_dtype() -> None:
+    """Under bf16 a stage of 3 blocks keeps 3 x 32 s b h bytes, with --fp32-residual-connection
+    3 x 36: 12 s b h apart, more than the 2% the estimator is held to above, so an estimate that
+    ignored the flag would miss one of the two."""
+    (half, half_est), (fp32, fp32_est) = (
+        stage_live_bytes("bf16", fp32_residual_connection=f) for f in (False, True)
+    )
+    assert (half_est, fp32_est) == (3 * 32 * SBH, 3 * 36 * SBH)
+    # apart from the norms' mean and 1 / std per token (b s values, in the input's dtype)
+    assert fp32 - half == pytest.approx(12 * SBH, abs=SBH), (half, fp32)
+    assert abs(fp32 / half_est - 1) > 0.05 and abs(half / fp32_est - 1) > 0.05

@@ -240,11 +240,15 @@ def test_estimator_divides_every_term_by_tp() -> None:
     setup = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=256,
                  micro_batch_size=2, tp=4)  # fmt: skip
     sbh = 128 * 2 * 64
-    for precision, per_sbh in (("fp32", 4 * 16), ("bf16", 36)):
-        assert (
-            block_bytes(MemorySetup(**setup, precision=precision, sequence_parallel=True))
-            == sbh * per_sbh / 4
+    for precision, fp32_residual, per_sbh in (
+        ("fp32", False, 4 * 16),
+        ("bf16", False, 32),
+        ("bf16", True, 36),
+    ):
+        sp = MemorySetup(
+            **setup, precision=precision, sequence_parallel=True, fp32_residual_connection=fp32_residual
         )
+        assert block_bytes(sp) == sbh * per_sbh / 4
     tp_only = block_bytes(MemorySetup(**setup))
     assert tp_only == sbh * 4 * (4 + 12 / 4)  # residual and LayerNorm outputs whole on every rank
     with pytest.raises(ValueError, match="--sequence-parallel needs --tensor-model-parallel-size > 1, got 1"):

@@ -145,11 +145,12 @@ def test_fp16_skips_are_reported_on_every_rank_and_in_the_log(data, tmp_path, pp
     gradients; the overflow check is one all-reduce over every rank), without a gradient norm,
     and Megatron's "number of skipped iterations" counts them."""
     argv = [*TINY, *data, "--global-batch-size", "4", "--train-iters", "4", "--fp16",
-            "--initial-loss-scale", str(2.0**23), "--hysteresis", "1",
+            "--initial-loss-scale", str(2.0**21), "--hysteresis", "1",
             "--pipeline-model-parallel-size", str(pp)]  # fmt: skip
     run = spawn_pretrain(argv, pp, tmp_path / "run")
     h = run.last
-    assert 1 <= h["skipped"] < 4, h["loss_scales"]  # 2^23 overflows, 2^20 does not (3 of 4 measured)
+    # 2^21 overflows, 2^18 does not (3 of 4 measured): the fp16 residual stream's gradients bear less than 2^19
+    assert 1 <= h["skipped"] < 4, h["loss_scales"]
     for rank in run.histories:
         assert [n is None for n in rank["grad_norms"]] == [n is None for n in h["grad_norms"]]
         assert rank["skipped"] == h["skipped"] == sum(n is None for n in h["grad_norms"])

@@ -240,11 +240,7 @@ def build_run(args: PretrainArgs, layout: Layout, ctx: DistContext) -> Run:
         optimizer=optimizer,
         scaler=scaler,
         lr_schedule=lr_schedule(args),
-        # the stages exchange activations in the weights' dtype: half under the distributed
-        # optimizer (Megatron's pipeline_dtype), fp32 for fp32 weights under autocast
-        forward_backward=build_forward_backward(
-            args, state, device, timeline, next(model.parameters()).dtype
-        ),
+        forward_backward=build_forward_backward(args, state, device, timeline, precision.residual_dtype),
         timeline=timeline,
         tlog=log.TrainingLog(
             log_config, flops=model_flops_per_iteration(flops), world_size=ctx.world_size, device=device
@@ -331,15 +327,16 @@ def parallelize_model(
 
 
 def _warm_up_kernels(run_model: GPTConfig, optim: OptimizerConfig, precision: Precision) -> None:
-    """One step of a one-layer GPT (the run's precision, recomputation and optimizer), thrown
-    away, so that the code of the kernels and the thread pools are resident before the CPU meter's
+    """One step of a one-layer GPT (the run's precision and residual dtype, recomputation and
+    optimizer), thrown away, so that the code of the kernels and the thread pools are resident before the CPU meter's
     baseline: the first iteration's peak is then the run's tensors, not libtorch's pages (about 180 MiB)."""
     cfg = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=2, vocab_size=128,
                     max_position_embeddings=16,
                     recompute_granularity=run_model.recompute_granularity,
                     recompute_method=run_model.recompute_method,
                     recompute_num_layers=1 if run_model.recompute_num_layers else None,  # of its one layer
-                    attention_backend=run_model.attention_backend)  # fmt: skip
+                    attention_backend=run_model.attention_backend,
+                    fp32_residual_connection=run_model.fp32_residual_connection)  # fmt: skip
     single = ParallelState(Layout(1), rank=0)
     model = GPTModel(cfg, single)
     tokens = torch.randint(0, 128, (2, 17))  # (b, s + 1)
@@ -399,8 +396,8 @@ def build_forward_backward(
     dtype: torch.dtype = torch.float32,
 ) -> Callable[..., torch.Tensor]:
     """pp = 1: a loop over the micro-batches; pp > 1: GPipe, 1F1B or interleaved 1F1B (v > 1),
-    sending ``dtype`` between stages, the weights' (fp32: the residual stream under autocast; half with
-    the distributed optimizer's half weights, as Megatron's ``pipeline_dtype``, and a dry run's half model)."""
+    sending ``dtype`` between stages: the residual stream's (``Precision.residual_dtype``, Megatron's
+    ``pipeline_dtype``): the --bf16 / --fp16 dtype, fp32 with --fp32-residual-connection or in fp32."""
     if state.pp == 1:
         return forward_backward
     sp = state.tp if state.layout.sequence_parallel else 1  # SP: T / tp per rank

@@ -90,6 +90,7 @@ def model_config(args: PretrainArgs, vocab_size: int, sequence_parallel: bool = 
         seed=args.seed,
         moe=moe_config(args),
         sequence_parallel=sequence_parallel,
+        fp32_residual_connection=args.fp32_residual_connection,
     )
 
 
@@ -139,10 +140,15 @@ def lr_schedule(args: PretrainArgs) -> LRSchedule:
 
 
 def precision_config(args: PretrainArgs) -> Precision:
-    """``--fp16`` or ``--bf16`` (else fp32) and fp16's loss-scale flags."""
+    """``--fp16`` or ``--bf16`` (else fp32), fp16's loss-scale flags, ``--fp32-residual-connection``."""
     name = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     return Precision(
-        name, args.initial_loss_scale, args.min_loss_scale, args.loss_scale_window, args.hysteresis
+        name,
+        args.initial_loss_scale,
+        args.min_loss_scale,
+        args.loss_scale_window,
+        args.hysteresis,
+        fp32_residual_connection=args.fp32_residual_connection,
     )
 
 

@@ -208,6 +208,11 @@ class MixedPrecisionArgs:
     grad_reduce_in_bf16: bool = _f(
         False, "reduce the gradients over the data-parallel ranks in bfloat16 (half the bytes of fp32)"
     )
+    fp32_residual_connection: bool = _f(
+        False,
+        "move residual connections to fp32 (Megatron's): the embeddings' output, every block's sums and "
+        "the pipeline's messages, which are otherwise in the --bf16 / --fp16 dtype (needs one of them)",
+    )
 
 
 @dataclass

@@ -192,6 +192,12 @@ def _model_and_optimizer_errors(args: PretrainArgs) -> list[str]:
         )
     if args.fp16 and args.bf16:
         errors.append("--fp16 and --bf16 were both given: choose one precision")
+    if args.fp32_residual_connection and not (args.fp16 or args.bf16):
+        errors.append(  # Megatron's own assertion
+            "--fp32-residual-connection without --bf16 or --fp16: an fp32 run's residual stream is fp32 "
+            "already (Megatron: 'residual connection in fp32 only supported when using fp16 or bf16'): "
+            "add --bf16 or --fp16, or drop --fp32-residual-connection"
+        )
     if args.min_lr > args.lr:
         errors.append(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:

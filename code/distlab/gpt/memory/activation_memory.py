@@ -94,15 +94,16 @@ def measure_block(
     attention_backend: str,
     device: torch.device | None = None,
     tensor_parallel_impl: str = "megatron",
+    fp32_residual_connection: bool = False,
 ) -> dict:
     """One block of this rank's tp shard (sequence-parallel as ``state.layout`` says), split by the
-    engine's layers or by DTensor's plan (``tensor_parallel_impl``): measured, estimated and
-    Korthikanti's bytes."""
+    engine's layers or by DTensor's plan (``tensor_parallel_impl``), its input in the residual
+    stream's dtype (fp32, or the half ``precision`` without ``fp32_residual_connection``):
+    measured, estimated and Korthikanti's bytes."""
     sp, tp = state.layout.sequence_parallel, state.tp
     dtensor = tensor_parallel_impl == "dtensor"
-    cfg = GPTConfig(
-        1, h, a, 128, s, attention_backend=attention_backend, sequence_parallel=sp and not dtensor
-    )
+    cfg = GPTConfig(1, h, a, 128, s, attention_backend=attention_backend, sequence_parallel=sp and not dtensor,
+                    fp32_residual_connection=fp32_residual_connection)  # fmt: skip
     block = Block(cfg, state.tp_group if tp > 1 and not dtensor else None)
     init_parameters(block, cfg, None if dtensor else state)
     block.to(device)
@@ -110,18 +111,20 @@ def measure_block(
         as_nn_linear(block)
         mesh = init_device_mesh((device or torch.device("cpu")).type, (tp,), mesh_dim_names=("tp",))
         parallelize_module(block, mesh, block_plan("", sequence_parallel=sp))
-    x = torch.randn(
-        b, s // tp if sp else s, h, device=device, requires_grad=True
-    )  # (b, T, H), or (b, T/tp, H) with SP
     half = precision in ("fp16", "bf16")
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    residual = dtype if half and not fp32_residual_connection else torch.float32
+    x = torch.randn(
+        b, s // tp if sp else s, h, device=device, dtype=residual, requires_grad=True
+    )  # (b, T, H), or (b, T/tp, H) with SP
 
     def forward() -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=dtype, enabled=half):
             return block(x)
 
     setup = MemorySetup(1, h, a, s, 128, b, precision=precision, attention_backend=attention_backend, tp=tp,
-                        sequence_parallel=sp, tensor_parallel_impl=tensor_parallel_impl)  # fmt: skip
+                        sequence_parallel=sp, tensor_parallel_impl=tensor_parallel_impl,
+                        fp32_residual_connection=fp32_residual_connection)  # fmt: skip
     return dict(rank=state.rank, tp=tp, sp=sp, s=s, b=b, h=h, a=a,
                 measured=saved_activation_bytes(forward, list(block.parameters())),
                 estimated=block_bytes(setup),

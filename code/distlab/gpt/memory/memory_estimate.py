@@ -32,32 +32,33 @@ attention scores stored::
 
 This course's GPT has no dropout (dropout 0). In units of s b h values (t = tp), one block keeps::
 
-    residual stream (LN1 and LN2 inputs), always fp32                          2
+    residual stream (LN1, LN2 inputs), training dtype (--fp32-residual-connection: fp32)   2
     LN1 and LN2 outputs (qkv and fc1 inputs), whole on every tp rank           2
     q k v 3, attention output = proj input 1, GeLU input 4, fc2 input 4       12 / t
       (Llama: q and output 2 a d / h, K/V 2 g d / h (fused attention keeps the g
-      grouped heads), SwiGLU's gate, up, silu(gate), product 4 F / h; each RMSNorm
-      also its normalised input, fp32: + 2 with the residual stream's terms)
+      grouped heads), SwiGLU's gate, up, silu(gate), product 4 F / h; each RMSNorm keeps 2
+      fp32 values for its 1 input, an fp32 copy and x / rms(x): ``norm_input_bytes``)
     --attention-backend unfused|local only: the softmax probabilities,
       a s / h (the b a s^2 / t scores), fp32 and, under autocast, a half copy   a s / (h t)
 
 PyTorch's fused attention (``--attention-backend auto|flash|fused``) keeps no scores, only its output
 (the projection's input) and a log-sum-exp of b a s / t values (not counted). A block keeps, in bytes::
 
-                         fused attention      explicit attention
-    fp32                 4 sbh (16)           4 sbh (16 + as/h)
-    autocast fp16/bf16     sbh (36)             sbh (36 + 6 as/h)     (the residual stream stays fp32)
+                                   fused attention      explicit attention
+    fp32                           4 sbh (16)           4 sbh (16 + as/h)
+    autocast fp16/bf16               sbh (32)             sbh (32 + 6 as/h)
+      --fp32-residual-connection     sbh (36)             sbh (36 + 6 as/h)
 
-against Korthikanti's sbh (34 + 5as/h), which has half residuals, dropout masks and a half softmax.
+against Korthikanti's sbh (34 + 5as/h): half residuals too, dropout masks (2 sbh), a half softmax.
 
 **Sequence parallelism** (``--sequence-parallel``, tp > 1) splits what stayed whole along the
-sequence: the residual stream (2 sbh, fp32) and the LayerNorm outputs (2 sbh: the column-parallel
+sequence: the residual stream (2 sbh) and the LayerNorm outputs (2 sbh: the column-parallel
 GEMM keeps only its T / t shard and gathers it again in backward) become 2 sbh / t each, so every
 term is divided by t::
 
-                         fused attention      explicit attention
-    fp32                 4 sbh (16) / t       4 sbh (16 + as/h) / t
-    autocast fp16/bf16     sbh (36) / t         sbh (36 + 6 as/h) / t
+                                   fused attention      explicit attention
+    fp32                           4 sbh (16) / t       4 sbh (16 + as/h) / t
+    autocast fp16/bf16               sbh (32) / t         sbh (32 + 6 as/h) / t   (36 with the flag)
 
 as Korthikanti's sbh (10 + 24/t + 5as/(ht)) with tp alone becomes sbh/t (34 + 5as/h) with SP.
 PyTorch's DTensor plan (``--tensor-parallel-impl dtensor``, ``native/dtensor_parallel.py``) gathers the
@@ -74,8 +75,8 @@ micro-batch::
     none                     the block, as above
     selective                the block less its core attention's scores: 4 sbh (16) in fp32
                              with either backend (fused attention had no scores to drop)
-    full uniform N           each group of N blocks keeps its input, 4 sbh bytes (fp32)
-    full block N             the stage's first N blocks keep their input, 4 sbh bytes each, the
+    full uniform N           each group of N blocks keeps its input, r sbh bytes (``residual_bytes``)
+    full block N             the stage's first N blocks keep their input, r sbh bytes each, the
                              other L / pp - N the block as above
 
 **The peak is in backward** (``backward_moments``), at the largest of these moments::
@@ -86,26 +87,27 @@ micro-batch::
               head and of the blocks from u's last on, at 4 bytes / parameter)
 
 A unit is a checkpointed group or a single block, taken by backward in reverse order. ``W_u``,
-through u's last block, is the larger of (sbh in bytes, p = 2 under autocast, 4 in fp32)::
+through u's last block, is the larger of (sbh in bytes, p = 2 under autocast, 4 in fp32; n the
+bytes a norm keeps of its input)::
 
-    MLP       K + 4 sbh + p sbh (1 + 4 / t)
-    softmax   K + 4 sbh - (4 + p (1 + 9 / t)) sbh + 12 b (a/t) s^2 - (scores kept)
+    MLP       K + r sbh + p sbh (1 + 4 / t)
+    softmax   K + r sbh - (n + p (1 + 9 / t)) sbh + 12 b (a/t) s^2 - (scores kept)
 
 ``K`` the unit's blocks' activations (a checkpointed group's, rebuilt whole: its N blocks, of
 which the first block's input is the one it kept; selective: the block without its scores),
-``4 sbh`` the residual stream's fp32 gradient, ``p sbh (1 + 4/t)`` fc2's output gradient and
+``r sbh`` the residual stream's gradient, ``p sbh (1 + 4/t)`` fc2's output gradient and
 GeLU's (b, s, 4h / t) in the MLP's backward; at the explicit attention's softmax the block's
-second half is freed (LN2's fp32 input and output, the projection's, GeLU's and fc2's inputs)
-and the softmax backward holds the fp32 probabilities, their gradient and the scores' gradient,
+second half is freed (what LN2 keeps of its input, its output, the projection's, GeLU's and fc2's
+inputs) and the softmax backward holds the fp32 probabilities, their gradient and the scores' gradient,
 ``12 b (a/t) s^2`` bytes, of which the block kept ``scores`` (4 or 6, none under selective:
 there the rebuild adds all 12). Without recomputation the head's moment is the peak; with full
 recomputation a rebuilt group holds whole blocks again while the gradients made so far grow
 to all of them (the first group: every gradient and one rebuilt group, next to Adam's state after
 the first iteration). Autocast's half copies of a checkpointed group's weights live only while
 it is rebuilt: the estimate keeps the copies of the non-checkpointed blocks and of the largest
-group (``rebuilt_parameters``). Against ``torch.profiler``'s count of the CPU allocator's bytes
-(4 layers, h 64-256, s 256-512, bf16, every mode and both attention backends) the peak is
-within +0 to -5 %.
+group (``rebuilt_parameters``). The CPU meter's first-iteration peak (4 layers, h 64-256, s 512,
+bf16, the residual stream bf16 or fp32, every recomputation mode) is 0.4 % to 4.0 % above the
+estimate, a ``pretrain`` run's 1.0 % (``tests/test_gpt_memory_driver.py``).
 
 **Llama's blocks** (``transformer/config.py``): a block holds qkv h (a + 2g) d, proj a d h and
 SwiGLU's 3 h F weights, no biases with ``--disable-bias-linear``, one weight per RMSNorm; no
@@ -201,19 +203,24 @@ def split_activations(c: MemorySetup) -> float:
 def block_bytes(c: MemorySetup) -> float:
     """One block's stored activations without recomputation (see the module docstring)."""
     per_value = 2 if c.precision in _HALF else 4
-    # fp32 LN inputs; LN outputs (/ t with Megatron's SP); split by tp
-    residual, whole, split = 2, 2, split_activations(c)
+    # what the 2 norms keep of their inputs (/ t with Megatron's SP); their outputs; split by tp
+    norms, whole, split = 2 * norm_input_bytes(c), 2, split_activations(c)
     # DTensor's plan keeps the LN outputs gathered for qkv's and fc1's weight gradients
     ln_out = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)
-    outside = _outside_sbh(c) * 4 * (residual + 2 * _rms_extra(c)) + ln_out * per_value * whole
+    outside = _outside_sbh(c) * norms + ln_out * per_value * whole
     return outside + _sbh(c) * per_value * split / c.tp + scores_bytes(c)
 
 
-def _rms_extra(c: MemorySetup) -> int:
-    """s b h per norm PyTorch's ``F.rms_norm`` keeps besides its input, in fp32 under autocast too:
-    its normalised input x / rms(x), for the weight's gradient (LayerNorm's fused kernel keeps
-    only the input, its mean and 1 / std)."""
-    return 1 if c.normalization == "RMSNorm" else 0
+def residual_bytes(c: MemorySetup) -> int:
+    """Bytes per residual stream value: 2 in fp16 / bf16, 4 in fp32 or with fp32_residual_connection."""
+    return 2 if c.precision in _HALF and not c.fp32_residual_connection else 4
+
+
+def norm_input_bytes(c: MemorySetup) -> int:
+    """Bytes per (b, s, h) value a norm keeps of its input for backward (``transformer/norms.py``):
+    LayerNorm the input, in the residual stream's dtype; RMSNorm (``F.rms_norm`` on the CPU) an fp32
+    copy of it and the fp32 x / rms(x) for the weight's gradient, whatever the residual's dtype."""
+    return 8 if c.normalization == "RMSNorm" else residual_bytes(c)
 
 
 def _groups(c: MemorySetup) -> list[tuple[int, int, bool]]:
@@ -226,10 +233,8 @@ def chunk_layers_bytes(c: MemorySetup) -> float:
     recomputation mode; with v = 1 the chunk is the stage."""
     if c.recompute_granularity == "selective":
         return (c.num_layers // (c.pp * c.vp)) * (block_bytes(c) - scores_bytes(c))
-    kept = [
-        4 * _outside_sbh(c) if ckpt else (end - first) * block_bytes(c) for first, end, ckpt in _groups(c)
-    ]
-    return sum(kept)  # a checkpointed group keeps its fp32 input only
+    group_input = residual_bytes(c) * _outside_sbh(c)  # all a checkpointed group keeps
+    return sum(group_input if ckpt else (end - first) * block_bytes(c) for first, end, ckpt in _groups(c))
 
 
 def stage_layers_bytes(c: MemorySetup) -> float:
@@ -252,10 +257,12 @@ def chunks_in_flight(c: MemorySetup) -> int:
 
 
 def head_bytes(c: MemorySetup) -> float:
-    """Loss head: final LN in/out (2 sbh fp32, / t with SP) and three b s V fp32 tensors at its backward."""
+    """Loss head: what the final norm keeps of its input and its output (the compute dtype), s b h
+    each (/ t with SP); three b s V fp32 tensors at its backward."""
+    per_value = 2 if c.precision in _HALF else 4
     bsv = c.micro_batch_size * _local_seq(c) * c.vocab_size / vocab_split(c)
     ln_f = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)  # DTensor gathers before ln_f
-    return 4 * ((2 + _rms_extra(c)) * ln_f + 3 * bsv)
+    return (norm_input_bytes(c) + per_value) * ln_f + 4 * 3 * bsv
 
 
 def attention_backward_bytes(c: MemorySetup) -> float:
@@ -278,17 +285,17 @@ def _units(c: MemorySetup) -> list[tuple[int, int, bool]]:
 def _unit_stored(c: MemorySetup, first: int, end: int, ckpt: bool) -> float:
     """Bytes a unit keeps from its forward to its backward (``chunk_layers_bytes``' terms)."""
     if ckpt:
-        return 4 * _outside_sbh(c)  # the group's fp32 input
+        return residual_bytes(c) * _outside_sbh(c)  # the group's input
     kept = block_bytes(c) - (scores_bytes(c) if c.recompute_granularity == "selective" else 0.0)
     return (end - first) * kept
 
 
 def _mlp_side_bytes(c: MemorySetup) -> float:
     """What a block keeps for its second half, freed by the time backward reaches its attention:
-    LN2's fp32 input and its output, the projection's input, GeLU's and fc2's inputs."""
+    what LN2 keeps of its input, its output, the projection's input, GeLU's and fc2's inputs."""
     per_value = 2 if c.precision in _HALF else 4
     ln_out = _sbh(c) if c.tensor_parallel_impl == "dtensor" else _outside_sbh(c)
-    return 4 * _outside_sbh(c) + per_value * (ln_out + 9 * _sbh(c) / c.tp)
+    return norm_input_bytes(c) * _outside_sbh(c) + per_value * (ln_out + 9 * _sbh(c) / c.tp)
 
 
 def _unit_backward(c: MemorySetup, first: int, end: int, ckpt: bool) -> float:
@@ -298,14 +305,14 @@ def _unit_backward(c: MemorySetup, first: int, end: int, ckpt: bool) -> float:
         softmax   K + R - (MLP side) + (12 b (a/t) s^2 - scores kept)    explicit attention only
 
     ``K`` its blocks' activations (a checkpointed group's rebuilt, whose first input is the one
-    it kept; selective: without the scores), ``R`` = 4 s b h the residual stream's fp32 gradient.
-    The MLP's backward adds fc2's output gradient (b, s, h) and GeLU's (b, s, 4h / t) beside
-    fc2's input; at the attention's softmax the block's second half is freed
+    it kept; selective: without the scores), ``R`` = r s b h the residual stream's gradient
+    (``residual_bytes``). The MLP's backward adds fc2's output gradient (b, s, h) and GeLU's
+    (b, s, 4h / t) beside fc2's input; at the attention's softmax the block's second half is freed
     (``_mlp_side_bytes``) and the attention's backward holds ``attention_backward_bytes`` (the
     rebuilt scores under selective recomputation: the whole 12 b (a/t) s^2)."""
     per_value = 2 if c.precision in _HALF else 4
     kept = (end - first) * block_bytes(c) if ckpt else _unit_stored(c, first, end, ckpt)
-    held = kept + 4 * _outside_sbh(c)
+    held = kept + residual_bytes(c) * _outside_sbh(c)
     mlp = held + per_value * (_outside_sbh(c) + 4 * _sbh(c) / c.tp)
     if attention_backward_bytes(c) == 0:
         return mlp
@@ -432,7 +439,8 @@ def _distributed_optimizer_estimate(c: MemorySetup, n: int) -> MemoryEstimate:
         fp16 (fp16 gradients)     2 + 2 + (4 + 4 + 8) / d       =  4 + 16 / d
 
     (bucket padding, under d elements each, left out; the experts' d is dp x cp / ep). Weights half
-    already: no autocast copies; activations as under autocast over fp32 weights (an upper bound)."""
+    already: no autocast copies; activations as under autocast over fp32 weights (the same dtypes:
+    the residual stream half, or fp32 with --fp32-residual-connection)."""
     d, half = c.dp * c.cp, c.precision in _HALF
     g_bytes = 2 if c.grad_reduce_in_bf16 or c.precision == "fp16" else 4
     k = 8 + (4 if half else 0) + (4 if g_bytes == 2 else 0)

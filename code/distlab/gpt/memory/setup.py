@@ -93,6 +93,8 @@ class MemorySetup:
     """Only learned_absolute holds a (s, h) position table."""
     untie_embeddings_and_output_weights: bool = False
     """The last stage holds its own (V, h) output layer."""
+    fp32_residual_connection: bool = False
+    """``--fp32-residual-connection``: the residual stream in fp32 under fp16 / bf16 (else half)."""
 
     def __post_init__(self) -> None:
         check_model_layout(self.shape, self.layout)  # the run's rules (distlab/gpt/model_layout.py)
@@ -102,6 +104,11 @@ class MemorySetup:
             )
         if self.precision not in ("fp32", *HALF):
             raise ValueError(f"precision {self.precision!r} must be fp32, fp16 or bf16")
+        if self.fp32_residual_connection and self.precision not in HALF:
+            raise ValueError(
+                f"fp32_residual_connection with precision {self.precision!r}: the residual stream is "
+                f"fp32 already; give precision fp16 or bf16, or drop fp32_residual_connection"
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero stage {self.zero_stage} must be 0, 1, 2 or 3")
         if self.distributed_optimizer and (self.zero_stage or self.fsdp2):
@@ -184,6 +191,7 @@ class MemorySetup:
             seq_length=args.seq_length,
             vocab_size=vocab_size,
             precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+            fp32_residual_connection=args.fp32_residual_connection,
             recompute_granularity=granularity_of(args.recompute_activations, args.recompute_granularity),
             recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers,

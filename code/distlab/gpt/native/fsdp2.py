@@ -22,7 +22,9 @@ one all-gather per block and micro-batch instead of two, for the full parameters
 (ZeRO-2's parameter memory, ZeRO-3's gradient and optimizer shards). ``MixedPrecisionPolicy
 (param_dtype=bf16, reduce_dtype=fp32)`` (``--bf16``): the all-gather casts the fp32 shards to
 bf16, forward and backward compute in bf16 (no autocast), the gradients are reduce-scattered in
-fp32 into fp32 shards, which the optimizer updates (the master weights). ``CPUOffloadPolicy``:
+fp32 into fp32 shards, which the optimizer updates (the master weights). The residual stream is
+bf16 too, unless ``--fp32-residual-connection``: then the blocks' inputs are not cast
+(``cast_forward_inputs=False``) and stay fp32 from the embeddings on. ``CPUOffloadPolicy``:
 shards, their gradients and the optimizer state stay on the CPU, where the optimizer steps; each
 all-gather first copies a unit's shards to the device.
 
@@ -77,14 +79,22 @@ class FSDP2Config:
     """fp32 with ``--bf16``: what the gradients are reduce-scattered and kept in."""
     cpu_offload: bool = False
     """``CPUOffloadPolicy`` (``--torch-fsdp2-cpu-offload``)."""
+    cast_forward_inputs: bool = True
+    """Cast each unit's floating-point inputs to ``param_dtype``; False with
+    ``--fp32-residual-connection``, so that the blocks receive the fp32 residual stream."""
 
     @classmethod
     def from_args(cls, args: PretrainArgs) -> FSDP2Config:
         half = (torch.bfloat16, torch.float32) if args.bf16 else (None, None)
-        return cls(args.torch_fsdp2_reshard_after_forward, *half, cpu_offload=args.torch_fsdp2_cpu_offload)
+        return cls(args.torch_fsdp2_reshard_after_forward, *half, cpu_offload=args.torch_fsdp2_cpu_offload,
+                   cast_forward_inputs=not args.fp32_residual_connection)  # fmt: skip
 
     def mp_policy(self) -> MixedPrecisionPolicy:
-        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+        return MixedPrecisionPolicy(
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            cast_forward_inputs=self.cast_forward_inputs,
+        )
 
     def offload_policy(self, device: torch.device) -> OffloadPolicy:
         if not self.cpu_offload:
@@ -113,7 +123,8 @@ def precision_line(precision: Precision, device: torch.device) -> str:
         return precision.describe(device)
     return (
         f"precision: bf16 parameters and compute on {device.type} (FSDP2's MixedPrecisionPolicy, no "
-        f"autocast), fp32 sharded master weights and optimizer, fp32 reduce-scatter, no loss scaling"
+        f"autocast), fp32 sharded master weights and optimizer, fp32 reduce-scatter, no loss scaling, "
+        f"{precision.residual_clause()}"
     )
 
 

@@ -5,7 +5,9 @@
     neither   fp32 throughout
 
 On CPU and GPU alike the model keeps fp32 ("master") weights and the optimizer updates them;
-the forward/backward compute runs under ``torch.autocast`` in fp16 or bf16.
+the forward/backward compute runs under ``torch.autocast`` in fp16 or bf16. The residual stream
+(the embeddings' output, the blocks' sums, the pipeline's messages) is in that half dtype, or in
+fp32 with ``--fp32-residual-connection`` (:attr:`Precision.residual_dtype`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class Precision:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    fp32_residual_connection: bool = False
+    """``--fp32-residual-connection``: the residual stream in fp32 under fp16 / bf16."""
 
     def __post_init__(self) -> None:
         if self.name not in _DTYPES:
@@ -37,6 +41,12 @@ class Precision:
     @property
     def dtype(self) -> torch.dtype:
         return _DTYPES[self.name]
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """The residual stream's dtype, which the pipeline stages exchange (Megatron's
+        ``pipeline_dtype``, fp32 with ``fp32_residual_connection``): fp32 or the half dtype."""
+        return torch.float32 if self.fp32_residual_connection else self.dtype
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         """``torch.autocast`` in the run's precision, or nothing for fp32."""
@@ -58,11 +68,17 @@ class Precision:
             return (
                 f"precision: fp16 autocast on {device.type} (fp32 master weights and optimizer), dynamic "
                 f"loss scaling from {self.initial_loss_scale:g} (window {self.loss_scale_window}, "
-                f"hysteresis {self.hysteresis})"
+                f"hysteresis {self.hysteresis}), {self.residual_clause()}"
             )
         if self.name == "bf16":
             return (
                 f"precision: bf16 autocast on {device.type} (fp32 master weights and optimizer), "
-                f"no loss scaling"
+                f"no loss scaling, {self.residual_clause()}"
             )
         return f"precision: fp32 on {device.type}"
+
+    def residual_clause(self) -> str:
+        """How the start-up line names the residual stream's dtype under fp16 / bf16."""
+        if self.fp32_residual_connection:
+            return "residual stream in fp32 (--fp32-residual-connection)"
+        return f"residual stream in {self.name}"

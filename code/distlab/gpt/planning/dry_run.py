@@ -23,8 +23,9 @@ forward/backward, gradient reduction and norm on meta tensors, recording every c
     collectives      of one step, per group: operation, group size, bytes per call, count
 
 With --bf16 or --fp16 the meta model is cast to the half dtype, as Megatron-LM keeps its weights
-on the GPU (activations and pipeline messages travel in it; without the distributed optimizer the
-engine itself computes under autocast from fp32 weights). The step runs through the engine's own
+on the GPU (activations and pipeline messages travel in it, the messages in fp32 with
+--fp32-residual-connection; without the distributed optimizer the engine itself computes under
+autocast from fp32 weights). The step runs through the engine's own
 back end (``LocalBackend``): the dp all-reduce of fp32 gradient buckets (Megatron's DDP), or with
 --use-distributed-optimizer its reduce-scatters of the gradient buckets (fp32; fp16 with --fp16, bf16
 with --grad-reduce-in-bf16, as Megatron's) and all-gathers of the parameters
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.arguments.from_args import build_distributed_optimizer, build_optimizer
+from distlab.gpt.arguments.to_configs import precision_config
 from distlab.gpt.build import build_forward_backward, build_model
 from distlab.gpt.data.tokenizers import TokenizerSpec
 from distlab.gpt.interfaces import MicroBatch
@@ -203,7 +205,8 @@ def step_collectives(
     same on meta tensors under a fake group (a dry run) and on real ones (its test)."""
     device = batches[0][0].device
     dtype = next(model.parameters()).dtype
-    run = build_forward_backward(args, state, device, None, dtype) if state.pp > 1 else forward_backward
+    messages = precision_config(args).residual_dtype  # the residual stream's dtype
+    run = build_forward_backward(args, state, device, None, messages) if state.pp > 1 else forward_backward
     if args.use_distributed_optimizer:
         optimizer = build_distributed_optimizer(model, state, args, dtype)
     else:

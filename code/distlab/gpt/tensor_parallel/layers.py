@@ -217,7 +217,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel(partial, self.group)  # (b, T_p, H_out), g-bar
         else:
             y = reduce_from_tensor_parallel(partial, self.group)  # (b, T, H_out), g
-        return y + self.bias if self.bias is not None else y
+        # the bias in y's dtype, as F.linear adds it under autocast: the compute dtype, not fp32's
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}"

@@ -84,6 +84,10 @@ class GPTConfig:
     """None: dense MLPs; else every block's MLP is a mixture of experts."""
     sequence_parallel: bool = False
     """``--sequence-parallel``: activations outside the tp GEMMs split along T (needs tp > 1)."""
+    fp32_residual_connection: bool = False
+    """``--fp32-residual-connection``: the residual stream (the embeddings' output, every block's
+    sums, what the pipeline stages exchange) in fp32 under --bf16 / --fp16; without it, in the
+    dtype the layers compute in (``norms.compute_dtype``), as Megatron keeps it in its params dtype."""
 
     @property
     def ffn(self) -> int:

@@ -52,6 +52,11 @@ Llama 3 script), T is the cp rank's T / cp tokens: the residual stream holds its
 slice, qkv's all-gather over tp restores the cp rank's T / cp for ring attention, and RoPE rotates
 them by their global positions (computed for the T / cp before the split over tp).
 
+Precision: under --bf16 / --fp16 the residual stream (h_0, every a_l and h_l, what a stage
+receives and sends) is in the training dtype, or in fp32 with ``--fp32-residual-connection``
+(:meth:`GPTModel.residual_dtype`, Megatron's ``fp32_residual_connection``); the norms return the
+compute dtype (``norms.py``), the loss is fp32.
+
 Memory (``transformer/recompute.py``): ``--attention-backend`` picks the core attention, PyTorch's fused
 ``scaled_dot_product_attention`` or :func:`unfused_attention` (which stores the (b, n, T, T)
 probabilities); ``--recompute-granularity selective`` checkpoints the core attention of every
@@ -94,6 +99,7 @@ from distlab.gpt.tensor_parallel.layers import (
 from distlab.gpt.tensor_parallel.mappings import gather_from_tensor_parallel
 from distlab.gpt.tensor_parallel.rng_tracker import checkpoint, fork_if
 from distlab.gpt.transformer.config import GPTConfig
+from distlab.gpt.transformer.norms import compute_dtype
 from distlab.gpt.transformer.recompute import checkpoint_groups, recompute_errors
 from distlab.gpt.transformer.rope import rotary_angles
 from distlab.gpt.transformer.transformer_layer import Block, build_norm
@@ -190,6 +196,14 @@ class GPTModel(nn.Module):
             return None
         return self.output_embedding()
 
+    def residual_dtype(self, h: torch.Tensor) -> torch.dtype:
+        """The residual stream's dtype for ``h``, the embeddings' output or a received stage input:
+        fp32 with ``--fp32-residual-connection``, else the compute dtype (autocast's, or ``h``'s own
+        without autocast: the weights')."""
+        if self.cfg.fp32_residual_connection:
+            return torch.float32
+        return compute_dtype(h.device.type, h.dtype)
+
     def positions(self, length: int, device: torch.device, first: int = 0) -> torch.Tensor:
         """Global positions (length,) of the ``length`` tokens of each sample attention sees on this
         rank: its two chunks' with context parallelism, else first .. first + length - 1 (``first``:
@@ -216,13 +230,14 @@ class GPTModel(nn.Module):
             h = self.wte(tokens)  # (b, T, H), or this rank's (b, T/tp, H) with SP
             if self.learned:
                 h = h + self.wpe(pos.chunk(self.sp_size)[self.sp_rank])  # SP: my T/tp positions' rows
+            h = h.to(self.residual_dtype(h))  # the residual stream's dtype from here on
             # SP: this rank's T/tp positions, from the model-parallel stream (Megatron drops out
             # after the scatter); else (b, T, H), alike on the tp ranks, from the default stream
             sharded = self.cfg.sequence_parallel and self.cfg.hidden_dropout > 0 and self.training
             with fork_if(sharded):
                 h = self.drop(h)  # (b, T, H) or (b, T/tp, H)
         else:
-            h = self.input_tensor
+            h = self.input_tensor.to(self.residual_dtype(self.input_tensor))  # as the stages exchange it
             pos = self.positions(h.shape[1] * self.sp_size, h.device, cached) if self.rotary_dim else None
         rotary = rotary_angles(pos, self.rotary_dim, self.cfg.rotary_base) if self.rotary_dim else None
         blocks = list(self.layers.values())[chunk * self.per_chunk : (chunk + 1) * self.per_chunk]

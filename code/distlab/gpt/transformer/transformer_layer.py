@@ -5,6 +5,11 @@ For a hidden state ``h`` (b, T, H) (T / tp with sequence parallelism)::
 
     a = h + proj(attn(qkv(N1(h))))          causal; RoPE rotates q and k
     h' = a + mlp(N2(a))                     fc2(gelu(fc1 .)) or SwiGLU; a router and experts with MoE
+
+The residual stream h, a, h' keeps the dtype of the block's input (the training dtype, or fp32
+with ``--fp32-residual-connection``: ``gpt_model.GPTModel.residual_dtype``); each branch's output
+(the compute dtype, fp32 after an fp32 bias) is cast to it before the sum, as Megatron's
+bias-dropout-add casts to the residual's dtype.
 """
 
 from __future__ import annotations
@@ -59,11 +64,11 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, *, rotary: torch.Tensor | None = None, cache: LayerCache | None = None
     ) -> torch.Tensor:
-        """(b, T, H) -> (b, T, H), T/tp with SP; ``rotary``: RoPE's (T, d_rot) angles or None;
-        ``cache``: this block's keys and values so far (generation)."""
+        """(b, T, H) -> (b, T, H) in x's dtype, T/tp with SP; ``rotary``: RoPE's (T, d_rot) angles
+        or None; ``cache``: this block's keys and values so far (generation)."""
         with fork_if(self.sequence_parallel and self.dropout and self.training):
-            x = x + self.drop(self.attn(self.ln1(x), rotary=rotary, cache=cache))
-            return x + self.drop(self.mlp(self.ln2(x)))
+            x = x + self.drop(self.attn(self.ln1(x), rotary=rotary, cache=cache)).to(x.dtype)
+            return x + self.drop(self.mlp(self.ln2(x))).to(x.dtype)
 
 
 def build_norm(cfg: GPTConfig) -> Norm:

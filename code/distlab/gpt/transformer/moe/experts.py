@@ -75,6 +75,6 @@ class ExpertMLP(nn.Module):
         else:
             h = F.gelu(h)
         y = F.linear(h, self.fc2.weight)  # (n, H)
-        if self.fc2.bias is not None:
-            y = y + self.bias_share * self.fc2.bias
+        if self.fc2.bias is not None:  # in y's dtype, as F.linear adds it under autocast
+            y = y + (self.bias_share * self.fc2.bias).to(y.dtype)
         return y
