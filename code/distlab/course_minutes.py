@@ -394,7 +394,12 @@ def class_plan(rows: Sequence[NotebookMinutes]) -> str:
     """The guide's timetable: each day's notebooks with clock times, breaks and lunch."""
     start, end = block_markers("class plan")
     by_number = {r.number: r for r in rows}
-    lines = [start]
+    core, deep = track_minutes(rows, CORE), track_minutes(rows, DEEP_DIVE)
+    lines = [
+        start,
+        f"Learner time: core track {hours(core)} (its limit {hours(CORE_LIMIT_MIN)}), deep dives {hours(deep)}.",
+        "",
+    ]
     for day, numbers in DAYS.items():
         mine = [by_number[n] for n in numbers if n in by_number]
         learner = sum(r.total for r in mine)
