@@ -1,4 +1,5 @@
-"""The course's tracks and learner minutes (``distlab.course_tracks``, ``distlab.course_minutes``).
+"""The course's tracks and learner minutes (``distlab.course_tracks``, ``course_counting``, ``course_tables``,
+``course_minutes``).
 
 The generated tables (``instructor/minutes.md``, README's and notebook 00's course map, the
 instructor guide's class plan) must be what the script makes of the notebooks as they are now, and
@@ -14,8 +15,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from distlab import course_counting as cc
 from distlab import course_minutes as cm
-from distlab import course_tracks
+from distlab import course_tables, course_tracks
 
 CHECKOUT = Path(cm.__file__).resolve().parents[2]
 
@@ -30,8 +32,8 @@ def test_the_generated_tables_are_up_to_date():
 
 def test_the_core_track_fits_two_days():
     rows = cm.course()
-    core = cm.track_minutes(rows, course_tracks.CORE)
-    assert core <= course_tracks.CORE_LIMIT_MIN, cm.text_table(rows)
+    core = course_tables.track_minutes(rows, course_tracks.CORE)
+    assert core <= course_tracks.CORE_LIMIT_MIN, course_tables.text_table(rows)
     assert {r.track for r in rows} == {course_tracks.CORE, course_tracks.DEEP_DIVE}
 
 
@@ -63,7 +65,7 @@ def write_notebook(path: Path, cells: list[tuple[str, str]]) -> None:
 
 
 def test_the_counting_rules(tmp_path):
-    start, end = cm.block_markers("course map")
+    start, end = cc.block_markers("course map")
     path = tmp_path / "99_x.ipynb"
     write_notebook(
         path,
@@ -83,7 +85,7 @@ def test_the_counting_rules(tmp_path):
             ),  # no answer
         ],
     )
-    counted = cm.count_notebook(path)
+    counted = cc.count_notebook(path)
     assert counted.title == "A title"
     # "99", "A", "title" ("·" and "|" hold no letter); "Six", "words,", "[a", "link]", "and"; "two", "words";
     # the heading's "2.", "Exercise:", "the", "big", "one"
@@ -93,11 +95,11 @@ def test_the_counting_rules(tmp_path):
     )  # "three comment words", "a value", the #SBATCH line's "one two"
     kinds = [(e.kind, e.values, e.minutes) for e in counted.exercises]
     assert kinds == [
-        ("answer", 3, 3 * cm.ANSWER_MIN),
-        ("script", 1, cm.COMPLETE_SCRIPT_MIN),
-        ("code", 1, cm.WRITE_CODE_MIN),
-        ("code", 1, cm.WRITE_CODE_MIN),
-        ("answer", 1, cm.EXERCISE_SECTION_MIN),
+        ("answer", 3, 3 * cc.ANSWER_MIN),
+        ("script", 1, cc.COMPLETE_SCRIPT_MIN),
+        ("code", 1, cc.WRITE_CODE_MIN),
+        ("code", 1, cc.WRITE_CODE_MIN),
+        ("answer", 1, cc.EXERCISE_SECTION_MIN),
     ]
 
 
@@ -122,7 +124,7 @@ def test_record_takes_the_median_of_the_passed_runs(tmp_path):
 
 def test_a_target_without_its_markers_is_refused():
     with pytest.raises(ValueError, match="no generated block 'course map'"):
-        cm.replace_block("no markers here", "course map", "table")
+        course_tables.replace_block("no markers here", "course map", "table")
 
 
 def test_the_command_line_checks_and_prints(capsys):
