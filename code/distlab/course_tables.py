@@ -22,11 +22,11 @@ from distlab.course_tracks import CORE, CORE_LIMIT_MIN, DAYS, DEEP_DIVE
 
 #: the class plan's clock: a day starts at 09:00; each notebook gets the instructor's introduction
 #: and live demonstration before the learners start; a break before a notebook once this much has run
-#: since the last pause, lunch before the first notebook that would start at 12:00 or later
+#: since the last pause, lunch before the first notebook that would start at 12:00 or later, or end after 13:00
 DAY_START_MIN = 9 * 60
 INTRO_MIN = 10
 BREAK_MIN, BREAK_AFTER_MIN = 15, 75
-LUNCH_MIN, LUNCH_FROM_MIN = 60, 12 * 60
+LUNCH_MIN, LUNCH_FROM_MIN, LUNCH_BY_MIN = 60, 12 * 60, 13 * 60
 WRAP_UP_MIN = 15
 
 
@@ -165,13 +165,13 @@ def class_plan(rows: Sequence[NotebookMinutes]) -> str:
         ]
         clock, since_pause, lunch = DAY_START_MIN, 0, False
         for r in mine:
-            if not lunch and clock >= LUNCH_FROM_MIN:
+            slot = _round5(INTRO_MIN + r.total)
+            if not lunch and (clock >= LUNCH_FROM_MIN or clock + slot > LUNCH_BY_MIN):
                 lines.append(f"| {_clock(clock)} | lunch | |")
                 clock, since_pause, lunch = clock + LUNCH_MIN, 0, True
             elif since_pause >= BREAK_AFTER_MIN:
                 lines.append(f"| {_clock(clock)} | break | |")
                 clock, since_pause = clock + BREAK_MIN, 0
-            slot = _round5(INTRO_MIN + r.total)
             lines.append(f"| {_clock(clock)} | {r.number} · {r.title} | {_f(r.total)} |")
             clock, since_pause = clock + slot, since_pause + slot
         lines += [
@@ -182,7 +182,8 @@ def class_plan(rows: Sequence[NotebookMinutes]) -> str:
     lines += [
         f"Each notebook's slot is its learner minutes plus {INTRO_MIN} for your introduction and live "
         f"demonstration, rounded up to 5 minutes; a {BREAK_MIN}-minute break comes before a notebook once "
-        f"{BREAK_AFTER_MIN} minutes have run since the last pause, lunch before the first notebook at noon or later.",
+        f"{BREAK_AFTER_MIN} minutes have run since the last pause, lunch before the first notebook that starts at "
+        "noon or later, or would end after 13:00.",
         end,
     ]
     return "\n".join(lines)
