@@ -9,8 +9,8 @@ Why this split (the minutes are in ``instructor/minutes.md``):
 * 00-05 and 07 are the path every later notebook stands on: the cluster and its commands, a node's
   topology, collectives, DDP, Megatron-style data, tensor and pipeline parallelism, and memory.
 * 10 (fault tolerance) and 13 (plan before you pay) are what a learner needs first on a real
-  cluster, and both fit: the core track stays under its limit with room for the instructor's
-  demonstrations and questions.
+  cluster, and both fit under the limit. Should the core grow past it, 13 moves to the deep dives
+  first: it stands alone, and it is the shortest of the two.
 * 06, 08, 09, 11 and 12 deepen what the core built (profiling, PyTorch's own API, context and expert
   parallelism, Llama and Mixtral, hangs): each stands on the core alone, so a class may take any of
   them, in any order, on the optional day.
