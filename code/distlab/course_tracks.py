@@ -10,7 +10,7 @@ Why this split (the minutes are in ``instructor/minutes.md``):
   topology, collectives, DDP, Megatron-style data, tensor and pipeline parallelism, and memory.
 * 10 (fault tolerance) and 13 (plan before you pay) are what a learner needs first on a real
   cluster, and both fit under the limit. Should the core grow past it, 13 moves to the deep dives
-  first: it stands alone, and it is the shortest of the two.
+  first: it stands alone, while the deep dive 12 builds on 10.
 * 06, 08, 09, 11 and 12 deepen what the core built (profiling, PyTorch's own API, context and expert
   parallelism, Llama and Mixtral, hangs): each stands on the core alone, so a class may take any of
   them, in any order, on the optional day.
