@@ -42,6 +42,18 @@ def test_notebook_is_committed_clean(path):
         assert "jobs.setup_notebook()" in "".join(code[0]["source"]), "first cell: jobs.setup_notebook()"
 
 
+#: What belongs in README and docstrings, not in a learner's prose: test files, commit ids.
+NOT_PROSE = re.compile(r"\btest_\w+\.py\b|\btests/|\bcommit [0-9a-f]{7,}|\bat [0-9a-f]{10}\b")
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: p.name)
+def test_notebook_prose_names_no_test_file_or_commit(path):
+    cells = json.loads(path.read_text())["cells"]
+    found = [(i, m.group()) for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+             for m in NOT_PROSE.finditer("".join(c["source"]))]  # fmt: skip
+    assert not found, f"markdown cells naming tests or commits (cell, text): {found}"
+
+
 def test_every_notebook_is_numbered_and_solutions_match():
     names = [p.stem for p in REPO_ROOT.glob("notebooks/*.ipynb")]
     assert all(re.match(r"^\d\d_", n) for n in names), names
