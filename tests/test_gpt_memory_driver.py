@@ -49,9 +49,36 @@ def test_bf16_run_peak_as_predicted_with_either_residual_dtype(tmp_path) -> None
     residual stream in bf16 and in fp32. Eight blocks of fused attention keep 32 s b h bytes each,
     36 with the flag: the peaks differ by about 11%, so each run's peak misses the other's
     prediction by more than 5%, and an estimate that ignored the flag would fail one of the runs."""
-    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--num-layers", "8",
-            "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "512", "--micro-batch-size", "8",
-            "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-4", "--eval-iters", "0", "--bf16"]  # fmt: skip
+    argv = [
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "255",
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "256",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "512",
+        "--micro-batch-size",
+        "8",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1e-4",
+        "--eval-iters",
+        "0",
+        "--bf16",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    ]  # fmt: skip  (the estimate has no dropout masks)
     runs = {
         name: spawn_pretrain(argv + flags, 1, tmp_path / name)
         for name, flags in (("bf16", []), ("fp32", ["--fp32-residual-connection"]))

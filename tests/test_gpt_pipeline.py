@@ -259,8 +259,8 @@ def _residual_stream_worker(ctx: DistContext, out: str) -> None:
     results = {}
     for flag in (False, True):
         args = PretrainArgs(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                            max_position_embeddings=16, micro_batch_size=2, bf16=True,
-                            fp32_residual_connection=flag)  # fmt: skip
+                            max_position_embeddings=16, micro_batch_size=2, bf16=True, attention_dropout=0.0,
+                            hidden_dropout=0.0, fp32_residual_connection=flag)  # fmt: skip
         precision = precision_config(args)
         model = GPTModel(model_config(args, 256), state)
         seen: list[str] = []
