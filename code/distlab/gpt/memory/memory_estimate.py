@@ -30,7 +30,7 @@ attention scores stored::
 
     s b h (34 + 5 a s / h) bytes  = attention 11 sbh + 5 a s^2 b, MLP 19 sbh, 2 LayerNorms 4 sbh
 
-This course's GPT has no dropout (dropout 0). In units of s b h values (t = tp), one block keeps::
+No dropout masks (the course's runs pass dropout 0; Megatron's 0.1 adds them). Per s b h value (t = tp), a block keeps::
 
     residual stream (LN1, LN2 inputs), training dtype (--fp32-residual-connection: fp32)   2
     LN1 and LN2 outputs (qkv and fc1 inputs), whole on every tp rank           2
