@@ -25,6 +25,28 @@ import pytest
 BUDGET_S = {"notebooks": 120.0, "solutions": 60.0}
 
 _times: dict[str, list] = {}  # path -> [seconds, outcome]
+_cells: dict[str, list] = {}  # path -> its slowest cells, [(seconds, cell index, first line)]
+SLOWEST_CELLS = 3
+
+
+def cell_seconds(notebook) -> list[tuple[float, int, str]]:
+    """Each executed code cell's seconds, from nbclient's timing metadata (``execution``:
+    ``iopub.execute_input`` to ``shell.execute_reply``), slowest first: (seconds, index, first line)."""
+    from datetime import datetime
+
+    found = []
+    for index, cell in enumerate(notebook.cells):
+        timing = cell.get("metadata", {}).get("execution", {})
+        start, end = timing.get("iopub.execute_input"), timing.get("shell.execute_reply")
+        if cell.get("cell_type") != "code" or not start or not end:
+            continue
+        seconds = (
+            datetime.fromisoformat(end.replace("Z", "+00:00"))
+            - datetime.fromisoformat(start.replace("Z", "+00:00"))
+        ).total_seconds()
+        first = next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
+        found.append((round(seconds, 1), index, first[:60]))
+    return sorted(found, reverse=True)
 
 
 def pytest_addoption(parser) -> None:
@@ -74,6 +96,7 @@ def pytest_runtest_call(item):
     finally:
         items.NotebookRun = original
         if kept:
+            _cells[item.nodeid.split("::")[0]] = cell_seconds(kept[0])[:SLOWEST_CELLS]
             try:
                 write_html(kept[0], _kept_path(Path(folder), item.nodeid))
             except Exception as exc:  # noqa: BLE001 - keeping a copy must never fail the notebook
@@ -88,6 +111,7 @@ def _write_index(folder: Path, path: str, seconds: float, outcome: str) -> None:
         "outcome": outcome,
         "seconds": round(seconds, 1),
         "finished": time.strftime("%Y-%m-%d %H:%M"),
+        "slowest cells": [{"cell": i, "seconds": t, "source": src} for t, i, src in _cells.get(path, [])],
     }
     record.write_text(json.dumps(entries, indent=1) + "\n")
     rows = "\n".join(
@@ -138,6 +162,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
         over = f"  over its {budget:.0f} s budget" if budget and seconds > budget else ""
         shown = "" if outcome == "passed" else f"  {outcome.upper()}"
         terminalreporter.write_line(f"{seconds:6.1f} s  {path}{shown}{over}")
+        for cell_s, index, source in _cells.get(path, []):
+            terminalreporter.write_line(f"{'':10}cell {index:>2}: {cell_s:5.1f} s  {source}")
     sums = (f"{folder} {seconds:.0f} s ({seconds / 60:.1f} min)" for folder, seconds in totals.items())
     terminalreporter.write_line("in all: " + ", ".join(sums))
     kept = terminalreporter.config.getoption("keep_executed")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,11 @@ import pytest
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 #: the outputs are not in the sources (a page without outputs would not pass for one with them)
-GOOD = ["# a notebook that passes", "print('printed by' + ' the good notebook')"]
+GOOD = [
+    "# a notebook that passes",
+    "print('printed by' + ' the good notebook')",
+    "import time\ntime.sleep(1.5)  # the slowest cell",
+]
 BAD = [
     "# a notebook that fails",
     "x = 1",
@@ -70,6 +75,7 @@ def test_each_executed_notebook_is_kept_as_html(kept):
     assert "x is one, not two" in bad and "AssertionError" in bad  # up to its error, traceback included
     assert "never printed" not in bad
     assert f"executed notebooks as HTML: {executed.resolve() / 'index.html'}" in out.stdout
+    assert re.search(r"cell  2: +\d+\.\d s  import time", out.stdout), out.stdout  # the slowest cell, shown
 
 
 def test_the_index_lists_each_page_with_its_outcome(kept):
@@ -79,6 +85,9 @@ def test_the_index_lists_each_page_with_its_outcome(kept):
         "notebooks/good.ipynb": "passed",
         "notebooks/bad.ipynb": "failed",
     }
+    slowest = entries["notebooks/good.ipynb"]["slowest cells"]
+    assert slowest[0]["cell"] == 2 and 1.5 <= slowest[0]["seconds"] < 30, slowest
+    assert slowest[0]["source"] == "import time" and slowest[1]["seconds"] < 1.5, slowest
     index = (executed / "index.html").read_text()
     assert 'href="notebooks/good.html"' in index and 'href="notebooks/bad.html"' in index
 
