@@ -131,3 +131,41 @@ def test_the_command_line_checks_and_prints(capsys):
     assert cm.main(["--check"]) == 0
     out = capsys.readouterr().out
     assert "core track" in out and "within its limit" in out
+
+
+def test_notebook_00s_map_is_a_short_table_beside_its_totals():
+    """Notebook 00's map is two generated blocks, each in a markdown cell of its own: the totals under
+    the prose that introduces the map, and a table of short titles whose day stands for the track.
+    Neither cell may pass 200 words, the markers and the table's cells counted."""
+    rows = cm.course()
+    table = course_tables.course_table(rows)
+    assert "| 00 · Start here | 1 |" in table and "| 08 · PyTorch's own parallel API | 3 |" in table
+    for r in rows:
+        day = "3" if r.track == course_tracks.DEEP_DIVE else ("1", "2")
+        assert any(
+            line.startswith(f"| {r.number} · ") and line.split(" | ")[1] in day for line in table.splitlines()
+        )
+    nb = json.loads((CHECKOUT / "notebooks" / "00_start_here.ipynb").read_text())
+    for name in ("course total", "course table"):
+        start = cc.block_markers(name)[0]
+        (cell,) = [c for c in nb["cells"] if start in "".join(c["source"])]
+        words = [t for t in "".join(cell["source"]).split() if cc.WORD.search(t)]
+        assert len(words) <= 200, f"notebook 00's cell with the {name!r} block has {len(words)} words"
+
+
+def test_the_short_title_stops_at_a_colon_or_a_semicolon():
+    assert course_tables.short_title("Start here: the cluster, a batch job") == "Start here"
+    assert course_tables.short_title("Context and expert parallelism; the five dimensions") == (
+        "Context and expert parallelism"
+    )
+    assert course_tables.short_title("Profiling and monitoring") == "Profiling and monitoring"
+
+
+def test_a_notebooks_blocks_are_rewritten_each_in_its_cell(tmp_path):
+    path = tmp_path / "00_x.ipynb"
+    (a_start, a_end), (b_start, b_end) = cc.block_markers("a"), cc.block_markers("b")
+    write_notebook(path, [("md", f"intro\n{a_start}\nold a\n{a_end}"), ("md", f"{b_start}\nold b\n{b_end}")])
+    nb = json.loads(course_tables.notebook_with_blocks(path, {"a": f"{a_start}\nnew a\n{a_end}", "b": "B"}))
+    assert ["".join(c["source"]) for c in nb["cells"]] == [f"intro\n{a_start}\nnew a\n{a_end}", "B"]
+    with pytest.raises(ValueError, match="0 markdown cells hold the generated block 'c'"):
+        course_tables.notebook_with_blocks(path, {"c": "C"})

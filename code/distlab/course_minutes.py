@@ -33,8 +33,10 @@ from distlab.course_counting import NotebookMinutes, count_notebook
 from distlab.course_tables import (
     class_plan,
     course_map,
+    course_table,
+    course_total,
     minutes_markdown,
-    notebook_with_block,
+    notebook_with_blocks,
     replace_block,
     text_table,
 )
@@ -75,11 +77,14 @@ def course(root: Path = CHECKOUT) -> list[NotebookMinutes]:
     return rows
 
 
+#: Each generated file -> its kind and the generated blocks it holds ("file": the whole file is one).
+#: Notebook 00 has two blocks, each in a markdown cell of its own: the totals in the cell that
+#: introduces the map, the table in the next, so that neither cell is long.
 TARGETS = {
-    MINUTES_FILE: ("file", "minutes"),
-    Path("README.md"): ("block", "course map"),
-    Path("notebooks/00_start_here.ipynb"): ("notebook", "course map"),
-    Path("instructor/README.md"): ("block", "class plan"),
+    MINUTES_FILE: ("file", ("minutes",)),
+    Path("README.md"): ("block", ("course map",)),
+    Path("notebooks/00_start_here.ipynb"): ("notebook", ("course total", "course table")),
+    Path("instructor/README.md"): ("block", ("class plan",)),
 }
 
 
@@ -89,16 +94,22 @@ def generated(root: Path = CHECKOUT) -> dict[Path, str]:
     bodies = {
         "minutes": minutes_markdown(rows),
         "course map": course_map(rows),
+        "course table": course_table(rows),
+        "course total": course_total(rows),
         "class plan": class_plan(rows),
     }
     out = {}
-    for rel, (kind, name) in TARGETS.items():
+    for rel, (kind, names) in TARGETS.items():
         if kind == "file":
+            (name,) = names
             out[rel] = bodies[name]
         elif kind == "notebook":
-            out[rel] = notebook_with_block(root / rel, name, bodies[name])
+            out[rel] = notebook_with_blocks(root / rel, {name: bodies[name] for name in names})
         else:
-            out[rel] = replace_block((root / rel).read_text(), name, bodies[name])
+            text = (root / rel).read_text()
+            for name in names:
+                text = replace_block(text, name, bodies[name])
+            out[rel] = text
     return out
 
 

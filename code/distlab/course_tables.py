@@ -1,11 +1,12 @@
 """The course's tables, made from each notebook's minutes (``distlab.course_counting``): the printed
-table, ``instructor/minutes.md``, the course map of README and notebook 00, and the instructor
-guide's class plan; and the generated blocks they fill (:func:`replace_block`)."""
+table, ``instructor/minutes.md``, README's course map and notebook 00's shorter one, and the
+instructor guide's class plan; and the generated blocks they fill (:func:`replace_block`)."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def minutes_markdown(rows: Sequence[NotebookMinutes]) -> str:
 
 
 def course_map(rows: Sequence[NotebookMinutes]) -> str:
-    """The map README.md and notebook 00 show: each notebook, its track, its day and its minutes."""
+    """README's map: each notebook, its track, its day and its minutes (notebook 00's: :func:`course_table`)."""
     start, end = block_markers("course map")
     lines = [start, "| notebook | track | day | minutes |", "|---|---|---|---|"]
     for r in rows:
@@ -134,6 +135,38 @@ def course_map(rows: Sequence[NotebookMinutes]) -> str:
         end,
     ]
     return "\n".join(lines)
+
+
+def short_title(title: str) -> str:
+    """A notebook's title up to its first colon or semicolon: ``"Start here: the cluster, ..."`` ->
+    ``"Start here"``."""
+    return re.split(r"[:;]", title)[0].strip()
+
+
+def course_table(rows: Sequence[NotebookMinutes]) -> str:
+    """Notebook 00's map: each notebook with its short title, its day's number and its minutes. The day
+    stands for the track (the deep dives fill the last day, :func:`distlab.course_tracks.check_plan`
+    makes sure), and the totals are :func:`course_total`'s, in the cell before: a short cell."""
+    start, end = block_markers("course table")
+    lines = [start, "| notebook | day | minutes |", "|---|---|---|"]
+    for r in rows:
+        day = r.day.split()[1] if r.day.startswith("Day ") else r.day  # "Day 3 (optional)" -> "3"
+        lines.append(f"| {r.number} · {short_title(r.title)} | {day} | {_f(r.total)} |")
+    return "\n".join([*lines, end])
+
+
+def course_total(rows: Sequence[NotebookMinutes]) -> str:
+    """The sentence under notebook 00's map: each track's learner time, and how it is counted."""
+    start, end = block_markers("course total")
+    core, deep = track_minutes(rows, CORE), track_minutes(rows, DEEP_DIVE)
+    return "\n".join(
+        [
+            start,
+            f"Core track {hours(core)}, deep dives {hours(deep)} of learner time: reading at {WORDS_PER_MINUTE} "
+            "words a minute, the measured job waits and the exercises (`instructor/minutes.md`).",
+            end,
+        ]
+    )
 
 
 def _clock(minutes: int) -> str:
@@ -198,14 +231,16 @@ def replace_block(text: str, name: str, body: str) -> str:
     return text[:i] + body + text[j + len(end) :]
 
 
-def notebook_with_block(path: Path, name: str, body: str) -> str:
-    """The notebook file's text with the markdown cell that holds block ``name`` rewritten, in the
-    repository's notebook format (JSON, indent 1, non-ASCII kept)."""
+def notebook_with_blocks(path: Path, bodies: dict[str, str]) -> str:
+    """The notebook file's text with each generated block ``name`` of ``bodies`` replaced by its body, in
+    the one markdown cell that holds it; in the repository's notebook format (JSON, indent 1, non-ASCII
+    kept)."""
     nb = json.loads(path.read_text())
-    start = block_markers(name)[0]
-    cells = [c for c in nb["cells"] if c["cell_type"] == "markdown" and start in "".join(c["source"])]
-    if len(cells) != 1:
-        raise ValueError(f"{path}: {len(cells)} markdown cells hold the generated block {name!r}, not 1")
-    text = replace_block("".join(cells[0]["source"]), name, body)
-    cells[0]["source"] = text.splitlines(keepends=True)
+    for name, body in bodies.items():
+        start = block_markers(name)[0]
+        cells = [c for c in nb["cells"] if c["cell_type"] == "markdown" and start in "".join(c["source"])]
+        if len(cells) != 1:
+            raise ValueError(f"{path}: {len(cells)} markdown cells hold the generated block {name!r}, not 1")
+        text = replace_block("".join(cells[0]["source"]), name, body)
+        cells[0]["source"] = text.splitlines(keepends=True)
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
