@@ -11,7 +11,8 @@ it names what f and g do, not how many all-reduces a layer makes).
 ``tp_block``: one transformer block over 2 tensor-parallel ranks (Megatron's split). Each rank
 holds half the attention heads and half the MLP columns (column-parallel: Q, K, V, fc1) then the
 matching rows (row-parallel: proj, fc2). ``f`` is the identity forward and an all-reduce backward;
-``g`` an all-reduce forward and the identity backward: 2 all-reduces forward, 2 backward.
+``g`` an all-reduce forward and the identity backward: per layer and micro-batch 2 all-reduces in its
+forward, 2 in its backward.
 
 ``gpipe``: GPipe's schedule on p = 4 stages with m = 4 micro-batches, one unit of time per forward
 and per backward: the idle slots (the bubble) while the pipeline fills and drains, (p - 1)/(m + p - 1)
@@ -117,7 +118,7 @@ def draw_tp_block(out_dir: Path, heads: int = 4, ffn: int = 256) -> Path:
     _draw_ranks(ax, _BLOCK, heads, ffn)
     ax.set_title(
         f"One transformer block over tensor-parallel size 2 ({heads} heads, MLP width {ffn}): "
-        "4 all-reduces per layer per step (g twice forward, f twice backward)",
+        "4 all-reduces per layer and micro-batch (g twice in its forward, f twice in its backward)",
         fontsize=10,
     )
     return _save(fig, out_dir / "tp_block.png")
