@@ -346,7 +346,7 @@ def draw_interleaved(out_dir: Path, p: int = 4, m: int = 8, v: int = 2) -> Path:
     _draw_schedule(ax, interleaved_slots(p, m, v), p, v, end, (
         f"Interleaved 1F1B, p = {p} ranks x v = {v} chunks each, one step of m = {m} micro-batches: {step:g} units "
         f"instead of {end}.\nBubble (p - 1)/(v m + p - 1) = {p - 1}/{v * m + p - 1} of the step, or (1/v)(p - 1)/m = "
-        f"{p - 1}/{v * m} of the ideal time 2m (Narayanan et al. 2021, 2.2.2); v p - 1 = {v * p - 1} sends per "
+        f"{p - 1}/{v * m} of the ideal time 2m (Narayanan et al. 2021, 2.2.2);\nv p - 1 = {v * p - 1} sends per "
         f"micro-batch and direction, not p - 1 = {p - 1}"
     ))  # fmt: skip
     return _save(fig, out_dir / "interleaved_1f1b.png")
