@@ -296,6 +296,8 @@ def test_workspace_is_the_learners_own_and_kept(cluster, checkout, learners):
     ws = one.workspace
     assert (ws.stat().st_uid, oct(ws.stat().st_mode & 0o777)) == (one.uid, "0o700")
     assert (ws / "code").resolve() == checkout / "code"
+    # the glossary every notebook links to, beside the learner's copies
+    assert (ws / "notebooks" / "GLOSSARY.md").resolve() == checkout / "notebooks" / "GLOSSARY.md"
     assert sorted(p.name for p in (ws / "notebooks").glob("*.ipynb")) == sorted(
         p.name for p in (users.CHECKOUT / "notebooks").glob("*.ipynb")
     )

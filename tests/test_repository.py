@@ -54,6 +54,13 @@ def test_notebook_prose_names_no_test_file_or_commit(path):
     assert not found, f"markdown cells naming tests or commits (cell, text): {found}"
 
 
+def test_every_notebook_links_the_glossary_in_its_first_cell():
+    assert (REPO_ROOT / "notebooks" / "GLOSSARY.md").is_file()
+    for path in REPO_ROOT.glob("notebooks/*.ipynb"):
+        first = next(c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+        assert "[glossary](GLOSSARY.md)" in "".join(first["source"]), f"{path.name}: no glossary link"
+
+
 def test_every_notebook_is_numbered_and_solutions_match():
     names = [p.stem for p in REPO_ROOT.glob("notebooks/*.ipynb")]
     assert all(re.match(r"^\d\d_", n) for n in names), names

@@ -41,7 +41,7 @@ WORKSPACE = "distlab-course"
 TEST_WORKSPACE = "distlab-course-test"
 COPIED = ("notebooks", "solutions")  # *.ipynb: each learner's own copy
 OWN = ("data", "runs")  # empty at first, the learner's
-LINKED = ("code", "sites", "images", "README.md", ".venv")  # shared, read-only
+LINKED = ("code", "sites", "images", "README.md", ".venv", "notebooks/GLOSSARY.md")  # shared, read-only
 NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 COMMENT = "lab learner"  # the GECOS field of the accounts made here
 
