@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from distlab import REPO_ROOT
+from distlab.course_counting import prose_words
 
 
 def pins(lines: list[str]) -> dict[str, str]:
@@ -52,6 +53,18 @@ def test_notebook_prose_names_no_test_file_or_commit(path):
     found = [(i, m.group()) for i, c in enumerate(cells) if c["cell_type"] == "markdown"
              for m in NOT_PROSE.finditer("".join(c["source"]))]  # fmt: skip
     assert not found, f"markdown cells naming tests or commits (cell, text): {found}"
+
+
+#: The course's limit on a markdown cell (issue 44: aim at about 150 words, never over 200).
+MAX_CELL_WORDS = 200
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: p.name)
+def test_notebook_markdown_cells_are_short(path):
+    cells = json.loads(path.read_text())["cells"]
+    long = [(i, n) for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+            and (n := prose_words("".join(c["source"]))) > MAX_CELL_WORDS]  # fmt: skip
+    assert not long, f"markdown cells over {MAX_CELL_WORDS} words (cell, words): {long}; split them"
 
 
 def test_every_notebook_links_the_glossary_in_its_first_cell():
