@@ -34,7 +34,7 @@ def cells(path) -> list[str]:
 
 def ex_args(path=NOTEBOOK) -> str:
     """The notebook's EX_ARGS, from its setup cell."""
-    setup = cells(path)[1]
+    setup = next(c for c in cells(path) if 'os.environ["EX_ARGS"] = (' in c)
     found = re.search(r'os\.environ\["EX_ARGS"\] = \((.*?)\n\)', setup, re.S)
     return eval("(" + found.group(1) + ")")  # adjacent string literals and their comments
 
