@@ -123,7 +123,7 @@ def test_a_plan_s_time_cost_and_goodput_by_hand() -> None:
     assert b.days_with_failures == pytest.approx(b.days / b.goodput)
     assert b.interruptions == pytest.approx(b.days_with_failures * 86400 / M)
     lines = budget.table(args, plan(args, 64, hw), hw.peak_flops, inputs, top=2)
-    assert len(lines) == 3 and "goodput" in lines[0]
+    assert len(lines) == 4 and "goodput" in lines[0] and "6TP/(nX)" in lines[0]
 
 
 def test_the_search_plot_draws_the_fitting_the_overflowing_and_names_the_refused() -> None:

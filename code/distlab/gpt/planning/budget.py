@@ -118,16 +118,21 @@ def budget(args: PretrainArgs, candidate: Candidate, hw_peak_flops: float, input
 def table(
     args: PretrainArgs, candidates: list[Candidate], hw_peak_flops: float, inputs: Inputs, top: int = 3
 ) -> list[str]:
-    """The best ``top`` layouts that fit, one line each: the plan's columns."""
+    """The best ``top`` layouts that fit, one line each: the plan's columns, ideal | failures."""
+    k = 8 if recomputed_layers(args) else 6
     lines = [
-        f"{'layout':38s} {'days':>6s} {'kT P/(W X)':>10s} {'GPU-h':>9s} {'cost $':>11s} | {'ckpt TB':>7s} "
-        f"{'save s':>6s} {'MTBF h':>6s} {'every h':>7s} {'goodput':>7s} {'interrupts':>10s} {'days':>6s} {'cost $':>11s}"
+        f"{'layout':38s} {'days':>5s} {f'{k}TP/(nX)':>8s} {'GPU-hours':>9s} {'cost $':>10s} | {'ckpt TB':>7s} "
+        f"{'save s':>6s} {'MTBF h':>6s} {'every h':>7s} {'goodput':>7s} {'interrupts':>10s} {'days':>5s} {'cost $':>10s}"
     ]
     for c in [c for c in candidates if c.fits][:top]:
         b = budget(args, c, hw_peak_flops, inputs)
         lines.append(
-            f"{c.name():38s} {b.days:6.1f} {b.check_days:10.1f} {b.gpu_hours:9,.0f} {b.usd:11,.0f} | "
+            f"{c.name():38s} {b.days:5.1f} {b.check_days:8.1f} {b.gpu_hours:9,.0f} {b.usd:10,.0f} | "
             f"{b.checkpoint_bytes / 1e12:7.2f} {b.save_s:6.0f} {b.mtbf_h:6.0f} {b.interval_h:7.1f} "
-            f"{100 * b.goodput:6.1f}% {b.interruptions:10.1f} {b.days_with_failures:6.1f} {b.usd_with_failures:11,.0f}"
+            f"{100 * b.goodput:6.1f}% {b.interruptions:10.1f} {b.days_with_failures:5.1f} {b.usd_with_failures:10,.0f}"
         )
+    lines.append(
+        f"(left of |: without failures, {k}TP/(nX) the check; right: with them, days / goodput; "
+        f"{inputs.tokens:.3g} tokens at ${inputs.usd_per_gpu_hour:.2f} a GPU-hour)"
+    )
     return lines
