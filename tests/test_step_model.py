@@ -10,11 +10,13 @@ from distlab.gpt.arguments import parse_args
 from distlab.gpt.layout import Layout
 from distlab.gpt.planning.hardware import Hardware, Link, load
 from distlab.gpt.planning.step_model import bubble_fraction, collective_seconds, group_link, predict_step
+from distlab.gpt.planning.utilization import hardware_flops, model_flops
 
 LINK = Link(bandwidth=100e9, latency=1e-5)
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --lr 1e-3"
 )
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
 def _hw(gpus_per_node: int = 8) -> Hardware:
@@ -58,7 +60,36 @@ def test_tensor_parallel_step_by_hand() -> None:
     p = predict_step(args, layout, _hw(), 128, parameters_per_rank=1000)
     assert p.step == pytest.approx(expected)
     assert p.compute == pytest.approx(F / 2 / 1e12)
-    assert p.mfu == pytest.approx(F / (2 * 1e12 * expected))
+    F_model = 24 * 32 * 64**2 * (1 + 32 / (12 * 64)) * (3 * 2) + 6 * 32 * 64 * 128  # causal attention at half
+    assert p.mfu == p.hfu == pytest.approx(F_model / (2 * 1e12 * expected))  # no recomputation: equal
+
+
+def test_mfu_counts_gpt3_175b_as_the_paper_and_megatron_do_by_hand() -> None:
+    """GPT-3 175B (l 96, h 12288, s 2048, V 51200), per token: a block's forward 24 h^2 + 2 s h
+    (causal attention at half) = 3,674,210,304; x 3 x 96 = 1,058,172,567,552; the output layer
+    6 h V = 3,774,873,600; = 72 l h^2 (1 + s/(12h) + V/(12lh)) (Narayanan et al. 2021 with
+    Megatron-LM's causal half). Full recomputation adds the forward once more: + 96 x 3,674,210,304."""
+    gpt3 = "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --lr 1e-4"
+    args = parse_args(f"{gpt3} --micro-batch-size 1 --global-batch-size 1".split())
+    assert model_flops(args, 51200) / 2048 == 1_061_947_441_152
+    L, h, s, V = 96, 12288, 2048, 51200
+    assert model_flops(args, V) / s == pytest.approx(72 * L * h**2 * (1 + s / (12 * h) + V / (12 * L * h)))
+    full = parse_args(f"{gpt3} --micro-batch-size 1 --global-batch-size 1 {RECOMPUTE}".split())
+    assert hardware_flops(full, 51200) / 2048 == 1_061_947_441_152 + 96 * 3_674_210_304
+    assert hardware_flops(args, 51200) == model_flops(args, 51200)
+
+
+def test_full_recomputation_raises_hfu_above_mfu_by_the_recomputed_forward() -> None:
+    """HFU / MFU - 1 = B s l f / (B s (3 l f + 6 h V)): the rerun forward's share of the model FLOPs."""
+    base = f"{TINY} --global-batch-size 1 --vocab-size 128"
+    plain, full = parse_args(base.split()), parse_args(f"{base} {RECOMPUTE}".split())
+    layout = Layout(1, global_batch_size=1)
+    p = predict_step(full, layout, _hw(), 128, parameters_per_rank=1000)
+    f = 24 * 64**2 + 2 * 32 * 64  # one block's forward a token, attention at half
+    share = 2 * f / (3 * 2 * f + 6 * 64 * 128)
+    assert p.hfu / p.mfu - 1 == pytest.approx(share)
+    q = predict_step(plain, layout, _hw(), 128, parameters_per_rank=1000)
+    assert q.hfu == q.mfu
 
 
 def test_pipeline_and_data_parallel_step_by_hand() -> None:

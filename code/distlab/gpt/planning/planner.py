@@ -25,6 +25,7 @@ from distlab.gpt.memory.memory_estimate import MemorySetup, activation_bytes, st
 from distlab.gpt.planning.dry_run import GiB, megatron_peak, model_states, precision_of
 from distlab.gpt.planning.hardware import Hardware
 from distlab.gpt.planning.step_model import StepPrediction, predict_step
+from distlab.gpt.planning.utilization import HFU_CONVENTION, MFU_CONVENTION
 from distlab.gpt.tensor_parallel.layers import pad_vocab_size
 
 
@@ -154,25 +155,33 @@ def plan(
     return fit + over
 
 
+def refusal_kinds(refused: list[Refused]) -> dict[str, list[Refused]]:
+    """The refused layouts grouped by the engine's reason, its numbers masked (N), most first."""
+    kinds: dict[str, list[Refused]] = {}
+    for r in refused:
+        reason = r.why.removeprefix("invalid arguments: ")
+        kinds.setdefault(re.sub(r"\d+", "N", reason.split(": ")[0]), []).append(r)
+    return dict(sorted(kinds.items(), key=lambda kv: -len(kv[1])))
+
+
 def report(candidates: list[Candidate], top: int = 5, refused: list[Refused] = ()) -> list[str]:
-    """The best ``top`` layouts with why, then the nearest layouts that do not fit, then (if given)
-    how many the engine refuses and one example of each of its first reasons."""
+    """The best ``top`` layouts with MFU, HFU and why, then the nearest layouts that do not fit,
+    then (if given) how many the engine refuses for each reason, with one example's message."""
     fit = [c for c in candidates if c.fits]
     lines = [f"> {len(fit)} of {len(candidates)} runnable layouts fit; the best {min(top, len(fit))}:"]
     for c in fit[:top]:
         p = c.prediction
-        lines.append(f">   {c.name():38s} step {p.step:8.2f} s  MFU {100 * p.mfu:5.1f}%  {c.why()}")
+        lines.append(
+            f">   {c.name():38s} step {p.step:8.2f} s  MFU {100 * p.mfu:4.1f}%  HFU {100 * p.hfu:4.1f}%  {c.why()}"
+        )
+    lines.append(f">   ({MFU_CONVENTION}; {HFU_CONVENTION})")
     for c in [c for c in candidates if not c.fits][:3]:
         lines.append(f">   {c.name():38s} {c.why()}")
     if refused:
-        lines.append(f"> {len(refused)} layouts of the search are refused by the engine, for example:")
-        seen: set[str] = set()
-        for r in refused:
-            reason = r.why.removeprefix("invalid arguments: ")
-            kind = re.sub(r"\d+", "N", reason.split(": ")[0])  # one example of each kind of refusal
-            if kind not in seen and len(seen) < 3:
-                seen.add(kind)
-                lines.append(f">   {r.name:38s} {reason}")
+        lines.append(f"> {len(refused)} layouts of the search are refused by the engine's validate_args:")
+        for same in refusal_kinds(refused).values():
+            example = same[0].why.removeprefix("invalid arguments: ")
+            lines.append(f">   {len(same):4d} like {same[0].name}: {example}")
     return lines
 
 

@@ -12,7 +12,7 @@
         its table gives no v: v = 2 is assumed (126 layers: about 4 per chunk)
 
 The runs' own parameter counts give the gradients reduced per rank, N / (tp x pp). MFU is
-compared in Megatron-LM's 2025 convention (causal attention at half, :attr:`mfu_causal`).
+compared as Megatron-LM counts it (causal attention at half, no recomputation: ``utilization.py``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class PublishedRun:
     def predicted(self, prediction: StepPrediction | None = None) -> float:
         """The published metric of ``prediction`` (default: :meth:`predict`)."""
         p = prediction or self.predict()
-        return p.tokens_per_s_per_device if self.metric == "tokens/s/GPU" else p.mfu_causal
+        return p.tokens_per_s_per_device if self.metric == "tokens/s/GPU" else p.mfu
 
     def error(self, prediction: StepPrediction | None = None) -> float:
         """(predicted - published) / published."""

@@ -50,8 +50,8 @@ Left out: the sequence-parallel norms' gradient all-reduce, the gradient norm's 
 
 On GPUs fused attention skips the masked half of causal attention (``flash_attention`` in the
 hardware file): the compute time counts Q K^T and the scores times V at half, and
-:attr:`StepPrediction.mfu_causal` is Megatron-LM's 2025 convention (attention counted at half);
-:attr:`StepPrediction.mfu` this engine's (in full, ``training/flops.py``).
+:attr:`StepPrediction.mfu` and :attr:`StepPrediction.hfu` count FLOPs as ``utilization.py`` names
+them (model FLOPs, and those plus the recomputed forward; attention at the causal half).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from distlab.gpt.distributed.grad_buckets import default_bucket_size
 from distlab.gpt.layout import Layout
 from distlab.gpt.planning import engine_work as work
 from distlab.gpt.planning.hardware import Hardware, Link
+from distlab.gpt.planning.utilization import hardware_flops, model_flops
 
 #: Bus factor of each operation over n ranks (send and recv move their bytes once).
 FACTOR = {**BUS_FACTOR, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}
@@ -133,8 +134,8 @@ class StepPrediction:
     exposed: dict[str, float]  # per dimension: tp, cp, pp, ep, dp
     step: float
     bubble_fraction: float
-    mfu: float
-    mfu_causal: float
+    mfu: float  # model FLOPs utilisation (utilization.MFU_CONVENTION)
+    hfu: float  # hardware FLOPs utilisation: + the recomputed forward (utilization.HFU_CONVENTION)
     tokens_per_s_per_device: float
     costs: list[Cost] = field(default_factory=list)
     unfused: float = 0.0  # memory-bound passes (ring attention, expert permutation), not communication
@@ -226,15 +227,15 @@ def predict_step(
         optimizer = work.optimizer_seconds(updated, dense if d > 1 else 0.0, hw.memory)
     step = pipeline + exposed_dp + optimizer
     tokens = args.global_batch_size * args.seq_length
-    F_causal = F - attention_flops(args) / 2
+    peak = W * hw.peak_flops * step
     return StepPrediction(
         compute=compute,
         bubble=pipeline - t_mb * m,
         exposed={**{d: t * m for d, t in per_mb.items()}, "dp": exposed_dp},
         step=step,
         bubble_fraction=bubble_fraction(pp, m, v),
-        mfu=F / (W * hw.peak_flops * step),
-        mfu_causal=F_causal / (W * hw.peak_flops * step),
+        mfu=model_flops(args, vocab_size) / peak,
+        hfu=hardware_flops(args, vocab_size) / peak,
         tokens_per_s_per_device=tokens / step / W,
         costs=costs + dp_costs,
         unfused=unfused * m,
