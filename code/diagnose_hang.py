@@ -2,13 +2,19 @@
 
     python code/diagnose_hang.py JOBID            # the dumps of Slurm job JOBID (its WorkDir's
                                                   # flight_recorder_JOBID/, where the engine writes them)
-    python code/diagnose_hang.py FOLDER           # a folder of dumps (rank_0, rank_1, ... hosts.json)
+    python code/diagnose_hang.py FOLDER           # a folder of dumps (rank_0, rank_1, ...,
+                                                  # started_<rank>.json), the engine's or NCCL's
     python code/diagnose_hang.py JOBID --stacks   # and every rank's Python stack, while it runs
 
-It prints the ranks that wrote no flight record (frozen, dead, or not in a collective), the
-collective each of them did not join (operation, process group, sequence number, sizes) and the
-node it runs on, then every rank's last finished collective and the one it waits in
-(``distlab.flight_recorder``). ``--stacks`` runs ``py-spy dump --pid`` on every rank's process,
+The same report on both backends: on gloo the engine writes the dumps when it catches the
+timeout; on NCCL the watchdog writes them (``distlab.nccl_dumps`` arms it) and ends the job, and
+this script reads them afterwards. The job's ranks come from the process groups' records in the
+dumps (``pg_config``), so a rank without a dump is named, not assumed away: it prints
+``no dump from ranks {3}: ...``, the collective each such rank did not join (operation, process
+group, sequence number, sizes) and the node, pid and GPU it ran on (its start record; ``?``
+without one), then every rank's last finished collective and the one it waits in
+(``distlab.flight_recorder``). The dumps' prefix is inferred as PyTorch's analyzer does
+(``--prefix`` to name it). ``--stacks`` runs ``py-spy dump --pid`` on every rank's process,
 on its own node, through a step that overlaps the job (``srun --jobid JOBID --overlap``): a
 stopped or deadlocked rank shows the line it is stuck on, the waiting ranks their collective.
 PyTorch's own analyzer reads the same folder: ``torchfrtrace FOLDER`` (``--allow-incomplete-ranks``
@@ -79,20 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("job", help="a Slurm job id, or a folder of flight-recorder dumps")
     parser.add_argument("--stacks", action="store_true", help="py-spy dump of every rank (a running job)")
+    parser.add_argument("--prefix", help="the dumps' file-name prefix (default: inferred, else rank_)")
     args = parser.parse_args(argv)
     folder = Path(args.job) if Path(args.job).is_dir() else job_folder(args.job)
-    prefix = str(folder / "rank_")
+    name = args.prefix or (flight_recorder.find_prefix(folder) if folder.is_dir() else "rank_")
+    prefix = str(folder / name)
     dumps, hosts = flight_recorder.read_dumps(prefix), flight_recorder.read_hosts(prefix)
     if args.stacks:  # while the job hangs: before the timeout, there are no dumps yet
         if Path(args.job).is_dir():
             raise SystemExit("diagnose_hang: --stacks needs the job id of a running job")
         print_stacks(args.job)
     if not dumps:
-        print(f"no flight records (rank_<N>) in {folder} yet: they are written when a collective times out")
+        print(f"no flight records ({name}<N>) in {folder} yet: they are written when a collective times out")
         return 0
-    world = len(hosts) or max(dumps) + 1
+    world = flight_recorder.world_size(dumps, hosts)
     missing, lines = flight_recorder.hang_report(dumps, world, hosts)
-    print(f"{len(dumps)} of {world} ranks wrote a flight record in {folder}; no record from ranks {missing}")
+    if missing:
+        ranks = "{" + ", ".join(map(str, missing)) + "}"
+        print(f"no dump from ranks {ranks}: frozen, dead or killed before the others' timeout ({folder})")
+    print(f"{len(dumps)} of {world} ranks wrote a flight record in {folder}")
     print("\n".join(lines))
     return 0
 

@@ -8,17 +8,19 @@ PyTorch's analyzer (``torchfrtrace DIR``, ``torch.distributed.flight_recorder``)
 per rank, ``<prefix><rank>``, each a pickle of ``torch._C._distributed_c10d._dump_fr_trace()``.
 
 On NCCL the watchdog writes those files itself (``TORCH_NCCL_DUMP_ON_TIMEOUT``, to
-``TORCH_FR_DUMP_TEMP_FILE<rank>``). torch 2.14 records gloo's collectives too, but on a gloo
-timeout nobody writes a dump, and a gloo dump's ``pg_config`` names one group only (the analyzer
-then fails with a KeyError). This module fills both gaps:
+``TORCH_FR_DUMP_TEMP_FILE<rank>``; ``distlab.nccl_dumps`` arms it). torch 2.14 records gloo's
+collectives too, but on a gloo timeout nobody writes a dump, and a gloo dump's ``pg_config`` names
+one unnamed group only (the analyzer then fails with a KeyError). This module fills both gaps:
 
-    start(prefix)        collective, after every group exists: every rank's node and pid; rank 0
-                         removes an earlier run's dumps
+    start(prefix, device)  collective, after every group exists: every rank's node, pid and GPU
+                         (``distlab.rank_identity``), each rank's written as its start record;
+                         rank 0 first removes an earlier run's dumps and records
     waiting_in(exc)      the collective a timed-out call waited in, from its traceback
     dump(prefix, rank, hosts, waiting)  this rank's record, with ``pg_config`` rebuilt from torch's own
                          table of groups (name, description, ranks), as ``<prefix><rank>``, and
                          the hosts as ``hosts.json``
     wait_for_dumps       the survivors' dumps, until all ranks or a grace period
+    world_size           the job's ranks, from the groups' records in the dumps (``pg_config``)
     hang_report          from the dumps: ranks that wrote none (frozen, dead, or still computing),
                          the collective each missing rank did not join, each rank's last collective
 
@@ -37,13 +39,15 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from distlab import nccl_dumps, rank_identity
 
 #: Collectives kept per rank when the environment does not say (a few iterations of the engine's).
 DEFAULT_BUFFER_SIZE = 2000
@@ -57,27 +61,32 @@ def enable(entries: int = DEFAULT_BUFFER_SIZE) -> None:
 
 
 def dump_prefix(environ: dict[str, str] | None = None) -> str:
-    """``TORCH_FR_DUMP_TEMP_FILE`` (PyTorch's name), else ``./flight_recorder_<SLURM_JOB_ID>/rank_``
-    (``./flight_recorder/rank_`` outside Slurm): dump files are ``<prefix><rank>``."""
+    """``TORCH_FR_DUMP_TEMP_FILE`` (or its older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``), else
+    ``./flight_recorder_<SLURM_JOB_ID>/rank_`` (``./flight_recorder/rank_`` outside Slurm): dump
+    files are ``<prefix><rank>``."""
     env = os.environ if environ is None else environ
-    if env.get("TORCH_FR_DUMP_TEMP_FILE"):
-        return env["TORCH_FR_DUMP_TEMP_FILE"]
+    if (given := nccl_dumps.user_prefix(env)) is not None:
+        return given
     job = env.get("SLURM_JOB_ID")
     return str(Path.cwd() / (f"flight_recorder_{job}" if job else "flight_recorder") / "rank_")
 
 
-def start(prefix: str) -> list[dict]:
-    """Collective: every rank's node and pid (for the report and for ``py-spy dump --pid``); rank 0
-    removes an earlier run's dumps from the folder. Nothing is written until a hang."""
+def start(prefix: str, device: torch.device | None = None) -> list[dict]:
+    """Collective: every rank's node, pid and, on ``device`` of type cuda, GPU UUID and PCI bus id
+    (for the report, ``py-spy dump --pid`` and draining a device); rank 0 first removes an earlier
+    run's dumps and start records from the folder, then each rank writes its own start record
+    (``started_<rank>.json``). The dumps come only with a hang."""
     folder = Path(prefix).parent
     if not dist.is_initialized():
         return []
     if dist.get_rank() == 0 and folder.is_dir():
-        for old in [*folder.glob(Path(prefix).name + "*"), folder / HOSTS]:
+        stale = [*folder.glob(Path(prefix).name + "*"), *folder.glob(rank_identity.PATTERN), folder / HOSTS]
+        for old in stale:
             old.unlink(missing_ok=True)
     hosts: list = [None] * dist.get_world_size()
-    me = {"rank": dist.get_rank(), "node": socket.gethostname(), "pid": os.getpid()}
-    dist.all_gather_object(hosts, me)
+    me = rank_identity.identity(dist.get_rank(), device)
+    dist.all_gather_object(hosts, me)  # after rank 0's clean-up: no record of this run is removed
+    rank_identity.record(folder, me)
     return hosts
 
 
@@ -169,8 +178,30 @@ def read_dumps(prefix: str) -> dict[int, dict]:
 
 
 def read_hosts(prefix: str) -> list[dict]:
-    path = Path(prefix).parent / HOSTS
+    """Every rank's start record in the dumps' folder (``started_<rank>.json``), else the
+    ``hosts.json`` that :func:`dump` writes, else []."""
+    folder = Path(prefix).parent
+    if records := rank_identity.read(folder):
+        return [records[rank] for rank in sorted(records)]
+    path = folder / HOSTS
     return json.loads(path.read_text()) if path.exists() else []
+
+
+def find_prefix(folder: Path, default: str = "rank_") -> str:
+    """The dumps' common file-name prefix in ``folder`` (``rank_``, NCCL's ``nccl_trace_rank_``,
+    ...), as PyTorch's analyzer infers it: the one stem of the names that end in a number."""
+    stems = {m.group(1) for p in folder.iterdir() if (m := re.fullmatch(r"([\w\-]*?)(\d+)", p.name))}
+    return stems.pop() if len(stems) == 1 else default
+
+
+def world_size(dumps: dict[int, dict], hosts: list[dict] = ()) -> int:
+    """How many ranks the job had: one past the highest rank that any group's record names
+    (``pg_config``: the default group lists them all), any dump or any start record."""
+    ranks = {*dumps, *(h["rank"] for h in hosts)}
+    for trace in dumps.values():
+        for config in trace.get("pg_config", {}).values():
+            ranks.update(json.loads(config.get("ranks") or "[]"))
+    return max(ranks) + 1 if ranks else 0
 
 
 def wait_for_dumps(prefix: str, world_size: int, grace_s: float) -> dict[int, dict]:
@@ -209,9 +240,10 @@ class Collective:
 
 def last_collectives(trace: dict) -> tuple[Collective | None, Collective | None]:
     """(the last finished collective, the unfinished one the rank waits in) of one record: the
-    recorder's last entry if unfinished, else what the engine saw it wait in (``distlab_waiting``)."""
+    recorder's first unfinished entry (NCCL enqueues later collectives behind a stuck one), else
+    what the engine saw it wait in (``distlab_waiting``)."""
     entries = [Collective.of(e, trace["pg_config"]) for e in trace["entries"]]
-    waiting = entries[-1] if entries and not entries[-1].retired else None
+    waiting = next((c for c in entries if not c.retired), None)
     if waiting is None and trace.get("distlab_waiting"):
         w = trace["distlab_waiting"]
         desc = trace["pg_config"].get(w["group"], {}).get("desc", w["group"])
@@ -243,7 +275,7 @@ def hang_report(dumps: dict[int, dict], world_size: int, hosts: list[dict]) -> t
     the members that did not join it and where they run (a rank without a dump, or one that dumped
     while in no collective: it skipped this one; a rank waiting in another collective is not named,
     it waits for someone else); then each rank's last finished collective and the one it waits in."""
-    node = {h["rank"]: f"{h['node']} (pid {h['pid']})" for h in hosts}
+    node = {h["rank"]: rank_identity.where(h) for h in hosts}
     missing = sorted(set(range(world_size)) - set(dumps))
     lines, named = [], set()
     waits = {rank: last_collectives(trace) for rank, trace in sorted(dumps.items())}
@@ -251,12 +283,12 @@ def hang_report(dumps: dict[int, dict], world_size: int, hosts: list[dict]) -> t
         absent = [
             r
             for r in (waiting.members if waiting else ())
-            if r in missing or (waits[r][1] is None and not joined(dumps[r], waiting))
+            if r not in dumps or (waits[r][1] is None and not joined(dumps[r], waiting))
         ]
         if waiting is None or not absent or (waiting.group, waiting.seq, waiting.members) in named:
             continue
         named.add((waiting.group, waiting.seq, waiting.members))
-        where = "; ".join(f"rank {r} on {node.get(r, 'an unknown node')}" for r in absent)
+        where = "; ".join(f"rank {r} on {node.get(r, '?')}" for r in absent)
         lines.append(f"> hang: ranks [{', '.join(map(str, absent))}] did not join {waiting}: {where}")
     for rank in range(world_size):
         if rank in missing:
@@ -273,6 +305,7 @@ __all__ = [
     "dump",
     "dump_prefix",
     "enable",
+    "find_prefix",
     "hang_report",
     "joined",
     "last_collectives",
@@ -282,4 +315,5 @@ __all__ = [
     "start",
     "wait_for_dumps",
     "waiting_in",
+    "world_size",
 ]

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab import flight_recorder
-from distlab.distributed import discover, init_distributed, shutdown
+from distlab import flight_recorder, nccl_dumps
+from distlab.distributed import discover, init_distributed, pick_backend, shutdown
 from distlab.gpt.arguments import ArgumentError, parse_args, validate_args
 from distlab.gpt.arguments.samples import evaluations_during_training
 from distlab.gpt.build import Run, build_run
@@ -92,6 +92,8 @@ def pretrain(argv: list[str] | None = None) -> dict:
     # before anything slow: SIGTERM's and SIGUSR1's default action would end a rank still starting
     exit_signal = ExitSignal(args.exit_signal).install() if args.exit_signal_handler else None
     flight_recorder.enable()  # before the first process group
+    if pick_backend(args.distributed_backend) == "nccl":  # NCCL's watchdog dumps on a timeout
+        nccl_dumps.arm(flight_recorder.dump_prefix(), flight_recorder.DEFAULT_BUFFER_SIZE)
     # until every rank is built, collectives wait at least STARTUP_TIMEOUT_S: a slow start is no hang
     ctx = init_distributed(
         args.distributed_backend, timeout_s=startup_timeout_s(args.distributed_timeout_minutes)
@@ -99,7 +101,7 @@ def pretrain(argv: list[str] | None = None) -> dict:
     run, hosts = None, []
     try:
         run = build_run(args, layout, ctx)
-        hosts = flight_recorder.start(flight_recorder.dump_prefix())  # collective: every rank is built
+        hosts = flight_recorder.start(flight_recorder.dump_prefix(), ctx.device)  # collective: all built
         set_training_timeout(run.state.groups(), args.distributed_timeout_minutes)
         return train(run, exit_signal)
     except torch.OutOfMemoryError as exc:  # CUDA's allocator (and --device-memory-gib's cap)

@@ -29,8 +29,10 @@ number and sizes) beside the others', waits up to ``HANG_GRACE_S`` for the other
 prints ``pretrain.HANG``: the ranks that wrote none, the collective they did not join, on which
 node. No rank is special: a frozen rank 0 is named as any other (``dist.monitored_barrier``, which
 rank 0 runs, cannot). On GPUs NCCL's watchdog aborts a collective past the timeout
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and writes the same dumps itself
-(``TORCH_NCCL_DUMP_ON_TIMEOUT``, ``TORCH_FR_DUMP_TEMP_FILE``).
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and the process with it, so no rank prints the report: the
+watchdog writes the same dumps itself into the run's folder (``distlab.nccl_dumps`` sets
+``TORCH_NCCL_DUMP_ON_TIMEOUT`` and ``TORCH_FR_DUMP_TEMP_FILE`` before the group exists) and
+``diagnose_hang.py`` prints the same report from them after the job.
 """
 
 from __future__ import annotations
