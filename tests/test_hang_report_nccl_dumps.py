@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from distlab import REPO_ROOT, flight_recorder
 from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
+from distlab.logs import hangs
 
 pytestmark = pytest.mark.timeout(180)
 WORLD = 4
@@ -135,6 +136,7 @@ def test_every_rank_without_a_dump_is_named_with_its_collective_and_node(folders
     missed = f"nccl:all_reduce #{FIRST_SEQ + k} of group 0 (default_pg) [0, 1, 2, 3], sizes [[2, 4]]"
     report = diagnose(folders / f"frozen_{k}", capsys)
     assert f"no dump from ranks {{{k}}}: " in report, report
+    assert hangs.ranks_without_dump(report) == [k]  # notebook 12's check reads it so
     assert "3 of 4 ranks wrote a flight record" in report, report
     assert f"> hang: ranks [{k}] did not join {missed}: rank {k} on {socket.gethostname()} (pid " in report
     assert (
@@ -148,6 +150,7 @@ def test_every_rank_without_a_dump_is_named_with_its_collective_and_node(folders
 def test_a_live_rank_that_skipped_the_collective_is_named(folders, capsys, k):
     report = diagnose(folders / f"skipped_{k}", capsys)
     assert "no dump from ranks" not in report and "4 of 4 ranks wrote a flight record" in report, report
+    assert hangs.ranks_without_dump(report) == []
     assert (
         f"> hang: ranks [{k}] did not join nccl:all_reduce #{FIRST_SEQ + k} of group 0 (default_pg)" in report
     )

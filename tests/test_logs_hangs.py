@@ -43,12 +43,23 @@ def test_hang_report_readers():
     assert hangs.missed_collectives(log * 2) == ["gloo:all_reduce #31 of group 3 (dp) [0, 2], sizes [[4]]"]
 
 
+def test_diagnose_hang_report_reader():
+    """diagnose_hang.py's lines (tests/test_hang_report_nccl_dumps.py reads its real output)."""
+    report = (
+        "no dump from ranks {0, 3}: frozen, dead or killed before the others' timeout (fr)\n"
+        "2 of 4 ranks wrote a flight record in fr\n"
+    )
+    assert hangs.ranks_without_dump(report) == [0, 3]
+    assert hangs.ranks_without_dump("4 of 4 ranks wrote a flight record in fr\n") == []
+    assert hangs.ranks_without_dump("no flight records (rank_<N>) in fr yet: ...") is None
+
+
 def test_the_exercise_check(tmp_path, capsys):
     (tmp_path / ".answer-7").write_text("straggler 3\n")
     assert hangs.check_fault(("straggler", 3), 7, folder=tmp_path) is True
     assert hangs.check_fault((FIXME, FIXME), 7, folder=tmp_path) is False
     assert "[not yet]" in capsys.readouterr().out
-    with pytest.raises(ExerciseError):
+    with pytest.raises(ExerciseError, match="diagnose_hang.py"):
         hangs.check_fault(("hang", 3), 7, folder=tmp_path)
     with pytest.raises(ExerciseError):
         hangs.check_fault(("straggler", 1), 7, folder=tmp_path)

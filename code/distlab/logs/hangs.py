@@ -5,6 +5,13 @@ A hang (``distlab.flight_recorder``, printed by every rank that timed out)::
     > hang: a collective of iteration 8 waited 6.0 s (--distributed-timeout-minutes); no answer from ranks [2]
     > hang: ranks [2] did not join gloo:all_reduce #31 of group 3 (dp) [0, 2], sizes [[4161]]: rank 2 on node2 (pid 812)
 
+The same report read from the dumps after the job, on gloo as on NCCL (``code/diagnose_hang.py
+FOLDER``; NCCL's watchdog ends the processes before any of them prints the engine's report)::
+
+    no dump from ranks {2}: frozen, dead or killed before the others' timeout (flight_recorder_81)
+    3 of 4 ranks wrote a flight record in flight_recorder_81
+    > hang: ranks [2] did not join nccl:all_reduce #31 of group 3 (dp) [0, 2], sizes [[4161]]: rank 2 on ...
+
 A straggler (``--log-straggler``, rank 0, every ``--log-interval``; with ``--straggler-minmax-count
 N`` the N lowest and highest ``TFLOP/s/rank`` pairs after it)::
 
@@ -27,12 +34,23 @@ from distlab.gpt.training.straggler import STRAGGLER
 
 _PAIR = re.compile(r"([-+0-9.E]+)/(\d+),")
 _DID_NOT_JOIN = re.compile(r"> hang: ranks \[([\d, ]+)\] did not join (.+?): rank")
+_NO_DUMP = re.compile(r"^no dump from ranks \{([\d, ]+)\}", re.M)
+_WROTE = re.compile(r"^\d+ of \d+ ranks wrote a flight record", re.M)
 
 
 def hung_ranks(text: str) -> list[int] | None:
     """The ranks the first hang report names (None: no report)."""
     found = HANG.search(text)
     return None if found is None else [int(r) for r in found["ranks"].split(",") if r.strip()]
+
+
+def ranks_without_dump(report: str) -> list[int] | None:
+    """The ranks ``diagnose_hang.py``'s report says wrote no flight record ([]: every rank wrote
+    one; None: no report, e.g. no dump at all)."""
+    found = _NO_DUMP.search(report)
+    if found is not None:
+        return [int(r) for r in found.group(1).split(",") if r.strip()]
+    return [] if _WROTE.search(report) else None
 
 
 def missed_collectives(text: str) -> list[str]:
@@ -84,12 +102,13 @@ def check_fault(answer: tuple | str, job_id: int | str | None, folder: str | Pat
     fault, rank = (Path(folder) / f".answer-{job_id}").read_text().split()
     check(
         f"{name}: its kind", answer[0] if isinstance(answer, tuple) else answer, expected=fault,
-        hint="a hang ends the job with '> hang' lines after the timeout; a straggler finishes, slowly, "
-        "and --log-straggler names it",
+        hint="a hang ends the job after the timeout and leaves flight records, which diagnose_hang.py "
+        "reads (on gloo the log's '> hang' lines say the same); a straggler finishes, slowly, and "
+        "--log-straggler names it",
     )  # fmt: skip
     return check(
         f"{name}: its rank", answer[1], expected=int(rank),
-        hint="the hang report's 'no answer from ranks [r]', or the straggler report's MxRtt/Rnk and MnEtpt/Rnk",
+        hint="the hang report's 'no dump from ranks {r}', or the straggler report's MxRtt/Rnk and MnEtpt/Rnk",
     )  # fmt: skip
 
 
@@ -99,5 +118,6 @@ __all__ = [
     "lowest_throughput_rank",
     "missed_collectives",
     "rank_tflops",
+    "ranks_without_dump",
     "slowest_ranks",
 ]
