@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import REPO_ROOT, flight_recorder
+from distlab import REPO_ROOT, flight_recorder, rank_identity
 from distlab.local_ranks import free_port, spawn_ranks, torchrun_env
 from distlab.logs import hangs
 
@@ -69,6 +69,7 @@ def rounds(rank: int, port: int, base: str) -> None:
     dist.init_process_group("gloo")
     tp = [dist.new_group(r, group_desc="tp") for r in ([0, 1], [2, 3])]
     flight_recorder.start(str(Path(base, "records", "rank_")))
+    rank_identity.record(Path(base, "records"), rank_identity.identity(rank))  # start() on NCCL writes it
     x = torch.ones(2, 4)
     for k in range(WORLD):
         frozen, skipped = Path(base, f"frozen_{k}"), Path(base, f"skipped_{k}")

@@ -57,3 +57,27 @@ def test_a_gpu_rank_records_its_uuid_and_pci_bus_id():
     me = rank_identity.gpu_identity(torch.device("cuda", 0))
     assert re.fullmatch(r"GPU-[0-9a-f-]{36}", me["gpu_uuid"]), me
     assert re.fullmatch(r"[0-9A-F]{8}:[0-9A-F]{2}:[0-9A-F]{2}\.0", me["pci_bus_id"]), me
+
+
+def _start_on_gloo(rank: int, port: int, folder: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from distlab.local_ranks import torchrun_env
+
+    os.environ.update(torchrun_env(rank, 2, port))
+    dist.init_process_group("gloo")
+    hosts = flight_recorder.start(os.path.join(folder, "rank_"), torch.device("cpu"))
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(repr([h["rank"] for h in hosts]))
+    dist.destroy_process_group()
+
+
+def test_a_gloo_run_that_does_not_hang_leaves_no_files(tmp_path):
+    """On gloo the engine's own dump writes hosts.json at a hang: start() gathers the list and
+    writes nothing, so no run leaves a folder behind (the start records are NCCL's)."""
+    from distlab.local_ranks import free_port, spawn_ranks
+
+    folder, out = tmp_path / "flight_recorder_7", tmp_path / "hosts"
+    spawn_ranks(_start_on_gloo, (free_port(), str(folder), str(out)), 2)
+    assert out.read_text() == "[0, 1]" and not folder.exists()

@@ -74,8 +74,10 @@ def dump_prefix(environ: dict[str, str] | None = None) -> str:
 def start(prefix: str, device: torch.device | None = None) -> list[dict]:
     """Collective: every rank's node, pid and, on ``device`` of type cuda, GPU UUID and PCI bus id
     (for the report, ``py-spy dump --pid`` and draining a device); rank 0 first removes an earlier
-    run's dumps and start records from the folder, then each rank writes its own start record
-    (``started_<rank>.json``). The dumps come only with a hang."""
+    run's dumps and start records from the folder. On NCCL each rank then writes its own start record
+    (``started_<rank>.json``): there the watchdog writes the dumps and ends the process, so no Python
+    runs at the hang. On gloo the engine's own dump writes the list (``hosts.json``), so a run that
+    does not hang leaves no folder. The dumps come only with a hang."""
     folder = Path(prefix).parent
     if not dist.is_initialized():
         return []
@@ -86,7 +88,8 @@ def start(prefix: str, device: torch.device | None = None) -> list[dict]:
     hosts: list = [None] * dist.get_world_size()
     me = rank_identity.identity(dist.get_rank(), device)
     dist.all_gather_object(hosts, me)  # after rank 0's clean-up: no record of this run is removed
-    rank_identity.record(folder, me)
+    if dist.get_backend() == "nccl":
+        rank_identity.record(folder, me)
     return hosts
 
 
