@@ -8,8 +8,9 @@ from any ``pretrain_gpt.py --save`` folder, either ``--ckpt-format``, any layout
     python code/convert_checkpoint.py --to hf --load runs/gpt/ckpt --save runs/gpt/hf
     python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('runs/gpt/hf')"
 
-transformers -> course (a ``model.safetensors`` folder; a release checkpoint, model only, for the
-layout the run that continues it uses; its tokenizer files are copied beside it)::
+transformers -> course (a ``model.safetensors`` folder, or its shards with their index; a release
+checkpoint, model only, for the layout the run that continues it uses; its tokenizer files are
+copied beside it; ``--to hf`` writes shards beyond ``--max-shard-size``, default 5GB)::
 
     python code/convert_checkpoint.py --from hf --load runs/gpt/hf --save runs/gpt/from_hf \\
         --target-tensor-parallel-size 2
@@ -34,7 +35,7 @@ import sys
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.data.tokenizer import GPT2BPETokenizer
-from distlab.gpt.inference import course_checkpoint, hf_checkpoint
+from distlab.gpt.inference import course_checkpoint, hf_checkpoint, safetensors_shards
 from distlab.gpt.inference.architecture import ConversionError
 from distlab.gpt.layout import Layout
 from distlab.gpt.model_layout import ModelShape, model_layout_errors
@@ -53,14 +54,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="--from hf: the run's")
     p.add_argument("--vocab-file", help="vocab.json (default: the checkpoint's own)")
     p.add_argument("--merge-file", help="merges.txt (default: the checkpoint's own)")
+    p.add_argument("--max-shard-size", type=shard_size, default=safetensors_shards.MAX_SHARD_SIZE,
+                   help="--to hf: larger weights are written as shards with their index ('5GB', '200MB', bytes)")  # fmt: skip
     return p.parse_args(argv)
+
+
+def shard_size(text: str) -> int | str:
+    """``--max-shard-size``: bytes, or a size with its unit as transformers takes it ("5GB")."""
+    return int(text) if text.isdigit() else text
 
 
 def to_hf(opts: argparse.Namespace) -> str:
     ckpt = course_checkpoint.inspect(opts.load)
     spec = course_checkpoint.tokenizer_spec(ckpt.args, opts.vocab_file, opts.merge_file)
     model = course_checkpoint.read_model(ckpt)
-    files = hf_checkpoint.write(opts.save, ckpt.arch, ckpt.config, ckpt.args, model.state_dict(), spec)
+    files = hf_checkpoint.write(
+        opts.save, ckpt.arch, ckpt.config, ckpt.args, model.state_dict(), spec, opts.max_shard_size
+    )
     return (
         f"> {ckpt.arch.name} from {ckpt.folder} ({ckpt.ckpt_format}, tp {ckpt.args.tensor_model_parallel_size}"
         f" x pp {ckpt.args.pipeline_model_parallel_size}) -> {opts.save} ({ckpt.arch.hf_class}, vocab_size "

@@ -4,7 +4,8 @@ The folder ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pre
 
     config.json               the family's fields (``families.py``), bos/eos = <|endoftext|>
     generation_config.json    eos = <|endoftext|>; suppress_tokens = the padded ids V_tok .. V - 1
-    model.safetensors         transformers' names and layouts (the family's ``to_hf``), fp32
+    model.safetensors         transformers' names and layouts (the family's ``to_hf``), fp32; over
+                              ``max_shard_size``: shards and their index (``safetensors_shards.py``)
     vocab.json, merges.txt    the course's byte-level BPE, as trained (``data/tokenizer.py``)
     tokenizer.json            the same BPE in ``tokenizers``' one-file form
     tokenizer_config.json     GPT2Tokenizer, <|endoftext|> as bos/eos/unk, no prefix space
@@ -28,8 +29,6 @@ import shutil
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tokenizers import ByteLevelBPETokenizer
 
 from distlab.gpt.arguments import PretrainArgs
@@ -37,19 +36,20 @@ from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.checkpointing.checkpointing import TRACKER
 from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
 from distlab.gpt.data.tokenizers import TokenizerSpec
-from distlab.gpt.inference import families
+from distlab.gpt.inference import families, safetensors_shards
 from distlab.gpt.inference.architecture import Architecture, ConversionError, StateDict
 from distlab.gpt.inference.course_checkpoint import meta_state_dict
 from distlab.gpt.transformer.config import GPTConfig
 
-WEIGHTS = "model.safetensors"
+WEIGHTS = safetensors_shards.WEIGHTS
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 
 
 def write(folder: str, arch: Architecture, cfg: GPTConfig, args: PretrainArgs, sd: StateDict,
-          tokenizer: TokenizerSpec | None) -> bool:  # fmt: skip
+          tokenizer: TokenizerSpec | None, max_shard_size: int | str = safetensors_shards.MAX_SHARD_SIZE) -> bool:  # fmt: skip
     """Write the folder from the whole course state dict ``sd``; its token ids from ``tokenizer``
-    (None: none), and its files when it is GPT-2's BPE (the return value: whether they were)."""
+    (None: none), and its files when it is GPT-2's BPE (the return value: whether they were); the
+    weights sharded beyond ``max_shard_size``."""
     os.makedirs(folder, exist_ok=True)
     config = arch.hf_config(cfg, args) | {"torch_dtype": "float32"}
     generation: dict = {}
@@ -65,7 +65,7 @@ def write(folder: str, arch: Architecture, cfg: GPTConfig, args: PretrainArgs, s
     _write_json(os.path.join(folder, "config.json"), config)
     _write_json(os.path.join(folder, "generation_config.json"), generation)
     tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in arch.to_hf(sd, cfg).items()}
-    save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+    safetensors_shards.write(folder, tensors, max_shard_size)
     return files
 
 
@@ -110,14 +110,15 @@ class HFCheckpoint:
     config: dict
     course_args: dict  # the family's course_args(config)
     tokenizer_files: tuple[str, str] | None
-    shapes: dict[str, tuple[int, ...]]  # every tensor in model.safetensors, from its header
+    shapes: dict[str, tuple[int, ...]]  # every tensor in the weight files, from their headers
+    files: dict[str, str]  # every tensor's file: model.safetensors, or its shard
 
 
 def inspect(folder: str, tokenizer_files: tuple[str, str] | None = None) -> HFCheckpoint:
     """Check ``folder`` (see the module docstring); read no weight."""
     if not os.path.isdir(folder):
         raise ConversionError(f"{folder} is not a folder: give a transformers checkpoint folder")
-    config_path, weights = os.path.join(folder, "config.json"), os.path.join(folder, WEIGHTS)
+    config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
         hint = (
             "it is a course checkpoint: convert it with --to hf"
@@ -129,17 +130,17 @@ def inspect(folder: str, tokenizer_files: tuple[str, str] | None = None) -> HFCh
         config = json.load(f)
     arch = families.for_hf(config, config_path)
     course_args = arch.course_args(config)
-    if not os.path.exists(weights):
+    weight_files = safetensors_shards.weight_map(folder)
+    if weight_files is None:
         present = sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".safetensors", ".json")))
         raise ConversionError(
-            f"{folder} has no {WEIGHTS} (found {present}): the converter reads one safetensors file; "
-            f"save it with model.save_pretrained(folder, safe_serialization=True, max_shard_size='100GB')"
+            f"{folder} has neither {WEIGHTS} nor {safetensors_shards.INDEX} (found {present}): the "
+            f"converter reads safetensors; save it with model.save_pretrained(folder, safe_serialization=True)"
         )
-    with safe_open(weights, framework="pt") as f:  # the header only
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    shapes = safetensors_shards.shapes(weight_files)  # the headers only
     files = tokenizer_files or tuple(os.path.join(folder, n) for n in TOKENIZER_FILES)
     found = files if all(os.path.exists(p) for p in files) else None
-    hf = HFCheckpoint(folder, arch, config, course_args, found, shapes)  # type: ignore[arg-type]
+    hf = HFCheckpoint(folder, arch, config, course_args, found, shapes, weight_files)  # type: ignore[arg-type]
     _check_shapes(hf)
     if found is not None:
         check_vocabulary(GPT2BPETokenizer(*found).vocab_size, config["vocab_size"], f"{folder}'s tokenizer")
@@ -173,11 +174,8 @@ def _check_shapes(hf: HFCheckpoint) -> None:
 
 def read_weights(hf: HFCheckpoint) -> StateDict:
     """The weights in the names ``to_hf`` gives (a tied ``lm_head.weight`` checked equal to E, then dropped)."""
-    sd = {}
-    with safe_open(os.path.join(hf.folder, WEIGHTS), framework="pt") as f:
-        for k in f.keys():
-            if (name := hf.arch.read_name(k)) is not None:
-                sd[name] = f.get_tensor(k).to(torch.float32)
+    names = {k: name for k in hf.files if (name := hf.arch.read_name(k)) is not None}
+    sd = {k: v.to(torch.float32) for k, v in safetensors_shards.read(hf.files, names).items()}
     copy = sd.pop("lm_head.weight", None) if tied(hf) else None
     if copy is not None and not torch.equal(copy, sd[hf.arch.embedding]):
         raise ConversionError(
