@@ -10,6 +10,9 @@ The folder ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pre
     tokenizer.json            the same BPE in ``tokenizers``' one-file form
     tokenizer_config.json     GPT2Tokenizer, <|endoftext|> as bos/eos/unk, no prefix space
 
+(GPT-2 BPE files with transformers' own beside them, e.g. a chat template, and a run's
+``--tokenizer-type HuggingFaceTokenizer``: those files copied as they are, ``hf_tokenizer.py``.)
+
 The vocabulary: the course pads V_tok tokens to V rows, a multiple of
 ``--make-vocab-size-divisible-by`` x tp (Megatron); the rows are kept (``vocab_size`` = V, so the
 logits are the course's), and both ``generate.py`` and transformers' ``generate`` (its
@@ -36,13 +39,14 @@ from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.checkpointing.checkpointing import TRACKER
 from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
 from distlab.gpt.data.tokenizers import TokenizerSpec
-from distlab.gpt.inference import families, safetensors_shards
+from distlab.gpt.inference import families, hf_tokenizer, safetensors_shards
 from distlab.gpt.inference.architecture import Architecture, ConversionError, StateDict
 from distlab.gpt.inference.course_checkpoint import meta_state_dict
 from distlab.gpt.transformer.config import GPTConfig
 
 WEIGHTS = safetensors_shards.WEIGHTS
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
+CARRIED = ("GPT2BPETokenizer", "HuggingFaceTokenizer")  # the --tokenizer-type kinds written out
 
 
 def write(folder: str, arch: Architecture, cfg: GPTConfig, args: PretrainArgs, sd: StateDict,
@@ -59,8 +63,10 @@ def write(folder: str, arch: Architecture, cfg: GPTConfig, args: PretrainArgs, s
         config |= {"bos_token_id": tok.eod, "eos_token_id": tok.eod}
         generation = {"bos_token_id": tok.eod, "eos_token_id": tok.eod, "pad_token_id": tok.eod,
                       "suppress_tokens": list(range(tok.vocab_size, cfg.vocab_size)) or None}  # fmt: skip
-    files = tokenizer is not None and tokenizer.tokenizer_type == "GPT2BPETokenizer"
-    if files:  # the other kinds' files (sentencepiece, tokenizer.json) are not converted yet
+    files = tokenizer is not None and tokenizer.tokenizer_type in CARRIED
+    if files and tokenizer.tokenizer_type == "HuggingFaceTokenizer":
+        hf_tokenizer.copy(hf_tokenizer.folder_of(tokenizer.tokenizer_model), folder)
+    elif files:  # sentencepiece models are not converted yet
         _write_tokenizer(folder, (tokenizer.vocab_file, tokenizer.merge_file), cfg.max_position_embeddings)
     _write_json(os.path.join(folder, "config.json"), config)
     _write_json(os.path.join(folder, "generation_config.json"), generation)
@@ -86,6 +92,8 @@ def copy_tokenizer(files: tuple[str, str], folder: str) -> tuple[str, str]:
 
 def _write_tokenizer(folder: str, files: tuple[str, str], max_length: int) -> None:
     copy_tokenizer(files, folder)
+    if hf_tokenizer.copy(hf_tokenizer.folder_of(files[0]), folder):  # transformers' own files beside them
+        return
     ByteLevelBPETokenizer(*files, add_prefix_space=False).save(os.path.join(folder, "tokenizer.json"))
     _write_json(os.path.join(folder, "tokenizer_config.json"), {
         "tokenizer_class": "GPT2Tokenizer", "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
