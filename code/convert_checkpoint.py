@@ -8,8 +8,9 @@ from any ``pretrain_gpt.py --save`` folder, either ``--ckpt-format``, any layout
     python code/convert_checkpoint.py --to hf --load runs/gpt/ckpt --save runs/gpt/hf
     python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('runs/gpt/hf')"
 
-transformers -> course (a ``model.safetensors`` folder; a release checkpoint, model only, for the
-layout the run that continues it uses; its tokenizer files are copied beside it)::
+transformers -> course (a ``model.safetensors`` folder, or its shards with their index; a release
+checkpoint, model only, for the layout the run that continues it uses; its tokenizer files are
+copied beside it; ``--to hf`` writes shards beyond ``--max-shard-size``, default 5GB)::
 
     python code/convert_checkpoint.py --from hf --load runs/gpt/hf --save runs/gpt/from_hf \\
         --target-tensor-parallel-size 2
@@ -34,7 +35,8 @@ import sys
 from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.data.tokenizer import GPT2BPETokenizer
-from distlab.gpt.inference import course_checkpoint, hf_checkpoint
+from distlab.gpt.data.tokenizers import HuggingFaceTokenizer, TokenizerSpec
+from distlab.gpt.inference import course_checkpoint, hf_checkpoint, hf_tokenizer, safetensors_shards
 from distlab.gpt.inference.architecture import ConversionError
 from distlab.gpt.layout import Layout
 from distlab.gpt.model_layout import ModelShape, model_layout_errors
@@ -53,14 +55,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="--from hf: the run's")
     p.add_argument("--vocab-file", help="vocab.json (default: the checkpoint's own)")
     p.add_argument("--merge-file", help="merges.txt (default: the checkpoint's own)")
+    p.add_argument("--tokenizer-model", help="a transformers tokenizer: its folder or tokenizer.json, with "
+                   "tokenizer_config.json beside it (default: the checkpoint's own)")  # fmt: skip
+    p.add_argument("--max-shard-size", type=shard_size, default=safetensors_shards.MAX_SHARD_SIZE,
+                   help="--to hf: larger weights are written as shards with their index ('5GB', '200MB', bytes)")  # fmt: skip
     return p.parse_args(argv)
+
+
+def shard_size(text: str) -> int | str:
+    """``--max-shard-size``: bytes, or a size with its unit as transformers takes it ("5GB")."""
+    return int(text) if text.isdigit() else text
 
 
 def to_hf(opts: argparse.Namespace) -> str:
     ckpt = course_checkpoint.inspect(opts.load)
-    spec = course_checkpoint.tokenizer_spec(ckpt.args, opts.vocab_file, opts.merge_file)
+    if opts.tokenizer_model:
+        spec = TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=opts.tokenizer_model)
+    else:
+        spec = course_checkpoint.tokenizer_spec(ckpt.args, opts.vocab_file, opts.merge_file)
     model = course_checkpoint.read_model(ckpt)
-    files = hf_checkpoint.write(opts.save, ckpt.arch, ckpt.config, ckpt.args, model.state_dict(), spec)
+    files = hf_checkpoint.write(
+        opts.save, ckpt.arch, ckpt.config, ckpt.args, model.state_dict(), spec, opts.max_shard_size
+    )
     return (
         f"> {ckpt.arch.name} from {ckpt.folder} ({ckpt.ckpt_format}, tp {ckpt.args.tensor_model_parallel_size}"
         f" x pp {ckpt.args.pipeline_model_parallel_size}) -> {opts.save} ({ckpt.arch.hf_class}, vocab_size "
@@ -71,22 +87,29 @@ def to_hf(opts: argparse.Namespace) -> str:
 
 def _why_none(spec) -> str:
     if spec is None:
-        return "the run's are gone (give --vocab-file, --merge-file)"
-    return f"--tokenizer-type {spec.tokenizer_type} is not converted, only GPT2BPETokenizer"
+        return "the run's are gone (give --vocab-file, --merge-file or --tokenizer-model)"
+    carried = " and ".join(hf_checkpoint.CARRIED)
+    return f"--tokenizer-type {spec.tokenizer_type} is not converted, only {carried}"
 
 
 def from_hf(opts: argparse.Namespace) -> str:
     given = (opts.vocab_file, opts.merge_file) if opts.vocab_file or opts.merge_file else None
     hf = hf_checkpoint.inspect(opts.load, given)
+    if opts.tokenizer_model:  # the transformers tokenizer given: it, not the folder's GPT-2 files
+        hf.tokenizer_files = None
     tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
     rows, shape = hf.config["vocab_size"], hf.course_args
-    vocab = target_vocabulary(hf, opts.make_vocab_size_divisible_by, tp)
+    hf_source = transformers_tokenizer(opts, hf)
+    vocab = target_vocabulary(hf, opts.make_vocab_size_divisible_by, tp, hf_source)
     check_layout(shape, tp, pp)
     files = {}
     if hf.tokenizer_files:  # beside the checkpoint: the arguments it saves name them
         os.makedirs(opts.save, exist_ok=True)
         vocab_file, merge_file = hf_checkpoint.copy_tokenizer(hf.tokenizer_files, opts.save)
         files = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab_file, "merge_file": merge_file}
+    if hf_source:  # tokenizer.json and the rest (a chat template): copied, read from the copy
+        hf_tokenizer.copy(hf_source, opts.save)
+        files = files or {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": opts.save}
     args = PretrainArgs(**shape, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by, **files)  # fmt: skip
     cfg = model_config(args, vocab)
@@ -118,16 +141,40 @@ def as_flag(name: str, value) -> str | None:
     return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
-def target_vocabulary(hf: hf_checkpoint.HFCheckpoint, divisible_by: int, tp: int) -> int:
-    """V of the run that loads the conversion: the tokenizer's size padded as that run pads it."""
+def transformers_tokenizer(opts: argparse.Namespace, hf: hf_checkpoint.HFCheckpoint) -> str | None:
+    """The folder of the transformers tokenizer files that travel with the conversion: the one
+    ``--tokenizer-model`` names, else beside the GPT-2 files, else the checkpoint's; None: none."""
+    if opts.tokenizer_model:
+        folder = hf_tokenizer.folder_of(opts.tokenizer_model)
+        if not hf_tokenizer.files_in(folder):
+            raise ConversionError(f"--tokenizer-model {opts.tokenizer_model}: no tokenizer.json there")
+        return folder
+    folder = hf_tokenizer.folder_of(hf.tokenizer_files[0]) if hf.tokenizer_files else opts.load
+    return folder if hf_tokenizer.files_in(folder) else None
+
+
+def target_vocabulary(
+    hf: hf_checkpoint.HFCheckpoint, divisible_by: int, tp: int, hf_source: str | None = None
+) -> int:
+    """V of the run that loads the conversion: the tokenizer's size padded as that run pads it
+    (GPT-2's files, else the transformers tokenizer in the folder ``hf_source``)."""
     rows = hf.config["vocab_size"]
-    tokens = GPT2BPETokenizer(*hf.tokenizer_files).vocab_size if hf.tokenizer_files else None
+    if hf.tokenizer_files:
+        tokens = GPT2BPETokenizer(*hf.tokenizer_files).vocab_size
+    elif hf_source:
+        try:
+            tokens = HuggingFaceTokenizer(hf_source).vocab_size
+        except ValueError as exc:  # no end-of-sequence token a course run could use
+            raise ConversionError(f"{hf_source}'s tokenizer: {exc}") from None
+        hf_checkpoint.check_vocabulary(tokens, rows, f"{hf_source}'s tokenizer.json")
+    else:
+        tokens = None
     vocab = pad_vocab_size(tokens or rows, divisible_by, tp)
     if tokens is None and vocab != rows:
         raise ConversionError(
-            f"{hf.folder} has no vocab.json/merges.txt and its {rows} rows are no multiple of "
+            f"{hf.folder} has no tokenizer files and its {rows} rows are no multiple of "
             f"--make-vocab-size-divisible-by {divisible_by} x tp {tp}: give the tokenizer (--vocab-file, "
-            f"--merge-file)"
+            f"--merge-file, or --tokenizer-model)"
         )
     return vocab
 
@@ -150,6 +197,13 @@ def check_layout(shape: dict, tp: int, pp: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     try:
+        hf_tokenizer.check_given(
+            vocab_file=opts.vocab_file, merge_file=opts.merge_file, tokenizer_model=opts.tokenizer_model
+        )
+        if opts.tokenizer_model and (opts.vocab_file or opts.merge_file):
+            raise ConversionError("give --tokenizer-model or --vocab-file and --merge-file, not both")
+        if bool(opts.vocab_file) != bool(opts.merge_file):
+            raise ConversionError("give --vocab-file and --merge-file together (GPT-2's BPE is both)")
         print(to_hf(opts) if opts.to else from_hf(opts))
     except ConversionError as exc:
         print(f"convert_checkpoint.py: error: {exc}", file=sys.stderr)

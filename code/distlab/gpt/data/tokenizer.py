@@ -73,8 +73,10 @@ class TokenizersLibrary:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens``: the post-processor's (a bos, say); False for a chat template's
+        text, which writes its own."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts)]

@@ -4,10 +4,14 @@ The folder ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pre
 
     config.json               the family's fields (``families.py``), bos/eos = <|endoftext|>
     generation_config.json    eos = <|endoftext|>; suppress_tokens = the padded ids V_tok .. V - 1
-    model.safetensors         transformers' names and layouts (the family's ``to_hf``), fp32
+    model.safetensors         transformers' names and layouts (the family's ``to_hf``), fp32; over
+                              ``max_shard_size``: shards and their index (``safetensors_shards.py``)
     vocab.json, merges.txt    the course's byte-level BPE, as trained (``data/tokenizer.py``)
     tokenizer.json            the same BPE in ``tokenizers``' one-file form
     tokenizer_config.json     GPT2Tokenizer, <|endoftext|> as bos/eos/unk, no prefix space
+
+(GPT-2 BPE files with transformers' own beside them, e.g. a chat template, and a run's
+``--tokenizer-type HuggingFaceTokenizer``: those files copied as they are, ``hf_tokenizer.py``.)
 
 The vocabulary: the course pads V_tok tokens to V rows, a multiple of
 ``--make-vocab-size-divisible-by`` x tp (Megatron); the rows are kept (``vocab_size`` = V, so the
@@ -28,8 +32,6 @@ import shutil
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tokenizers import ByteLevelBPETokenizer
 
 from distlab.gpt.arguments import PretrainArgs
@@ -37,19 +39,21 @@ from distlab.gpt.arguments.to_configs import model_config
 from distlab.gpt.checkpointing.checkpointing import TRACKER
 from distlab.gpt.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
 from distlab.gpt.data.tokenizers import TokenizerSpec
-from distlab.gpt.inference import families
+from distlab.gpt.inference import families, hf_tokenizer, safetensors_shards
 from distlab.gpt.inference.architecture import Architecture, ConversionError, StateDict
 from distlab.gpt.inference.course_checkpoint import meta_state_dict
 from distlab.gpt.transformer.config import GPTConfig
 
-WEIGHTS = "model.safetensors"
+WEIGHTS = safetensors_shards.WEIGHTS
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
+CARRIED = ("GPT2BPETokenizer", "HuggingFaceTokenizer")  # the --tokenizer-type kinds written out
 
 
 def write(folder: str, arch: Architecture, cfg: GPTConfig, args: PretrainArgs, sd: StateDict,
-          tokenizer: TokenizerSpec | None) -> bool:  # fmt: skip
+          tokenizer: TokenizerSpec | None, max_shard_size: int | str = safetensors_shards.MAX_SHARD_SIZE) -> bool:  # fmt: skip
     """Write the folder from the whole course state dict ``sd``; its token ids from ``tokenizer``
-    (None: none), and its files when it is GPT-2's BPE (the return value: whether they were)."""
+    (None: none), and its files when it is GPT-2's BPE (the return value: whether they were); the
+    weights sharded beyond ``max_shard_size``."""
     os.makedirs(folder, exist_ok=True)
     config = arch.hf_config(cfg, args) | {"torch_dtype": "float32"}
     generation: dict = {}
@@ -59,13 +63,15 @@ def write(folder: str, arch: Architecture, cfg: GPTConfig, args: PretrainArgs, s
         config |= {"bos_token_id": tok.eod, "eos_token_id": tok.eod}
         generation = {"bos_token_id": tok.eod, "eos_token_id": tok.eod, "pad_token_id": tok.eod,
                       "suppress_tokens": list(range(tok.vocab_size, cfg.vocab_size)) or None}  # fmt: skip
-    files = tokenizer is not None and tokenizer.tokenizer_type == "GPT2BPETokenizer"
-    if files:  # the other kinds' files (sentencepiece, tokenizer.json) are not converted yet
+    files = tokenizer is not None and tokenizer.tokenizer_type in CARRIED
+    if files and tokenizer.tokenizer_type == "HuggingFaceTokenizer":
+        hf_tokenizer.copy(hf_tokenizer.folder_of(tokenizer.tokenizer_model), folder)
+    elif files:  # sentencepiece models are not converted yet
         _write_tokenizer(folder, (tokenizer.vocab_file, tokenizer.merge_file), cfg.max_position_embeddings)
     _write_json(os.path.join(folder, "config.json"), config)
     _write_json(os.path.join(folder, "generation_config.json"), generation)
     tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in arch.to_hf(sd, cfg).items()}
-    save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+    safetensors_shards.write(folder, tensors, max_shard_size)
     return files
 
 
@@ -86,6 +92,8 @@ def copy_tokenizer(files: tuple[str, str], folder: str) -> tuple[str, str]:
 
 def _write_tokenizer(folder: str, files: tuple[str, str], max_length: int) -> None:
     copy_tokenizer(files, folder)
+    if hf_tokenizer.copy(hf_tokenizer.folder_of(files[0]), folder):  # transformers' own files beside them
+        return
     ByteLevelBPETokenizer(*files, add_prefix_space=False).save(os.path.join(folder, "tokenizer.json"))
     _write_json(os.path.join(folder, "tokenizer_config.json"), {
         "tokenizer_class": "GPT2Tokenizer", "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
@@ -110,14 +118,15 @@ class HFCheckpoint:
     config: dict
     course_args: dict  # the family's course_args(config)
     tokenizer_files: tuple[str, str] | None
-    shapes: dict[str, tuple[int, ...]]  # every tensor in model.safetensors, from its header
+    shapes: dict[str, tuple[int, ...]]  # every tensor in the weight files, from their headers
+    files: dict[str, str]  # every tensor's file: model.safetensors, or its shard
 
 
 def inspect(folder: str, tokenizer_files: tuple[str, str] | None = None) -> HFCheckpoint:
     """Check ``folder`` (see the module docstring); read no weight."""
     if not os.path.isdir(folder):
         raise ConversionError(f"{folder} is not a folder: give a transformers checkpoint folder")
-    config_path, weights = os.path.join(folder, "config.json"), os.path.join(folder, WEIGHTS)
+    config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
         hint = (
             "it is a course checkpoint: convert it with --to hf"
@@ -129,17 +138,17 @@ def inspect(folder: str, tokenizer_files: tuple[str, str] | None = None) -> HFCh
         config = json.load(f)
     arch = families.for_hf(config, config_path)
     course_args = arch.course_args(config)
-    if not os.path.exists(weights):
+    weight_files = safetensors_shards.weight_map(folder)
+    if weight_files is None:
         present = sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".safetensors", ".json")))
         raise ConversionError(
-            f"{folder} has no {WEIGHTS} (found {present}): the converter reads one safetensors file; "
-            f"save it with model.save_pretrained(folder, safe_serialization=True, max_shard_size='100GB')"
+            f"{folder} has neither {WEIGHTS} nor {safetensors_shards.INDEX} (found {present}): the "
+            f"converter reads safetensors; save it with model.save_pretrained(folder, safe_serialization=True)"
         )
-    with safe_open(weights, framework="pt") as f:  # the header only
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    shapes = safetensors_shards.shapes(weight_files)  # the headers only
     files = tokenizer_files or tuple(os.path.join(folder, n) for n in TOKENIZER_FILES)
     found = files if all(os.path.exists(p) for p in files) else None
-    hf = HFCheckpoint(folder, arch, config, course_args, found, shapes)  # type: ignore[arg-type]
+    hf = HFCheckpoint(folder, arch, config, course_args, found, shapes, weight_files)  # type: ignore[arg-type]
     _check_shapes(hf)
     if found is not None:
         check_vocabulary(GPT2BPETokenizer(*found).vocab_size, config["vocab_size"], f"{folder}'s tokenizer")
@@ -173,11 +182,8 @@ def _check_shapes(hf: HFCheckpoint) -> None:
 
 def read_weights(hf: HFCheckpoint) -> StateDict:
     """The weights in the names ``to_hf`` gives (a tied ``lm_head.weight`` checked equal to E, then dropped)."""
-    sd = {}
-    with safe_open(os.path.join(hf.folder, WEIGHTS), framework="pt") as f:
-        for k in f.keys():
-            if (name := hf.arch.read_name(k)) is not None:
-                sd[name] = f.get_tensor(k).to(torch.float32)
+    names = {k: name for k in hf.files if (name := hf.arch.read_name(k)) is not None}
+    sd = {k: v.to(torch.float32) for k, v in safetensors_shards.read(hf.files, names).items()}
     copy = sd.pop("lm_head.weight", None) if tied(hf) else None
     if copy is not None and not torch.equal(copy, sd[hf.arch.embedding]):
         raise ConversionError(
