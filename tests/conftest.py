@@ -145,3 +145,15 @@ def entry_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def no_weights_read(monkeypatch):
+    """Reaching a weight of a checkpoint fails the test: every refusal of a bad input must come before."""
+    from distlab.gpt.inference import course_checkpoint, hf_checkpoint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read before the input was refused")
+
+    monkeypatch.setattr(hf_checkpoint, "read_weights", refuse)
+    monkeypatch.setattr(course_checkpoint, "read_model", refuse)

@@ -36,17 +36,6 @@ def data(tmp_path_factory):
     return prepare_data(tmp_path_factory.mktemp("gptdata"), vocab_size=300, max_files=20)
 
 
-@pytest.fixture
-def no_weights_read(monkeypatch):
-    """Reaching a weight fails the test: every error must come before."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a weight was read before the input was refused")
-
-    monkeypatch.setattr(hf_checkpoint, "read_weights", refuse)
-    monkeypatch.setattr(course_checkpoint, "read_model", refuse)
-
-
 @pytest.fixture(scope="module")
 def hf_folder(data, tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf")

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from distlab.gpt.inference import course_checkpoint, hf_checkpoint
+from distlab.gpt.inference import course_checkpoint
 from tests.conftest import entry_script
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: tokenizer and model are built here
@@ -113,15 +113,6 @@ def test_generate_chat_is_refused_without_a_template(converted, tmp_path, capsys
         assert "has no chat template" in capsys.readouterr().err
     finally:
         config.write_text(kept)
-
-
-@pytest.fixture
-def no_weights_read(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a weight was read before the input was refused")
-
-    monkeypatch.setattr(hf_checkpoint, "read_weights", refuse)
-    monkeypatch.setattr(course_checkpoint, "read_model", refuse)
 
 
 @pytest.mark.parametrize(
