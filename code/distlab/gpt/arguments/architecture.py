@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from distlab.gpt.arguments.groups import PretrainArgs
 from distlab.gpt.layout import Layout
-from distlab.gpt.transformer.config import architecture_errors, rotary_errors
+from distlab.gpt.transformer.config import architecture_errors, rotary_errors, variant_errors
 
 
 def fill_architecture_defaults(args: PretrainArgs) -> None:
@@ -62,6 +62,9 @@ def architecture_args_errors(args: PretrainArgs, layout: Layout) -> list[str]:
         )
     elif args.position_embedding_type == "rope":
         errors += rotary_errors(args.kv_channels, args.rotary_percent)
+    errors += variant_errors(
+        args.position_embedding_type, args.use_rope_scaling, args.openai_gelu, args.swiglu
+    )
     if args.ffn_hidden_size is not None and args.ffn_hidden_size < 1:
         errors.append(f"--ffn-hidden-size {args.ffn_hidden_size} must be >= 1")
     if not args.add_position_embedding and args.position_embedding_type != "rope":

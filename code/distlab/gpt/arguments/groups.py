@@ -65,7 +65,17 @@ class NetworkSizeArgs:
         flag="--no-position-embedding",
         action="store_false",
     )
+    use_rope_scaling: bool = _f(
+        False,
+        "Llama 3.x's RoPE frequencies (rope_type llama3): the slow ones divided by --rope-scaling-factor",
+    )
+    rope_scaling_factor: float = _f(
+        8.0, "with --use-rope-scaling: Llama 3.x's factor (8 for 3.1, 32 for 3.2)"
+    )
     make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this x tp")
+    openai_gelu: bool = _f(
+        False, "GeLU's tanh approximation (OpenAI's, GPT-2's gelu_new) instead of the exact erf"
+    )
     swiglu: bool = _f(False, "SwiGLU MLP: fc2(silu(x W_gate) * x W_up) instead of fc2(gelu(x W_1))")
     untie_embeddings_and_output_weights: bool = _f(
         False, "the output layer (last stage) has its own weight instead of the word embeddings'"
@@ -85,6 +95,7 @@ class NetworkSizeArgs:
         flag="--disable-bias-linear",
         action="store_false",
     )
+    add_qkv_bias: bool = _f(False, "a bias on the qkv projection even with --disable-bias-linear (Qwen2)")
 
 
 @dataclass

@@ -56,6 +56,7 @@ def moe_config(args: PretrainArgs) -> MoEConfig | None:
         grouped_gemm=args.moe_grouped_gemm,
         gated_linear_unit=args.swiglu,
         add_bias_linear=args.add_bias_linear,
+        openai_gelu=args.openai_gelu,
     )
 
 
@@ -75,10 +76,14 @@ def model_config(args: PretrainArgs, vocab_size: int, sequence_parallel: bool = 
         layernorm_epsilon=args.layernorm_epsilon,
         layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma,
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        openai_gelu=args.openai_gelu,
         swiglu=args.swiglu,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout,

@@ -3,6 +3,8 @@
     gpt2.py     the course GPT (learned positions, LayerNorm, GeLU, tied output) <-> GPT2LMHeadModel
     llama.py    the course's Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention) <-> LlamaForCausalLM
     mixtral.py  the Llama with top-k routed SwiGLU experts (--num-experts) <-> MixtralForCausalLM
+    qwen2.py    the Llama with q/k/v biases (--add-qkv-bias) <-> Qwen2ForCausalLM
+    mistral.py  MistralForCausalLM without sliding-window attention -> the Llama (read only)
 
 A new family is a module that fills an :class:`~distlab.gpt.inference.architecture.Architecture`,
 and one entry in :data:`KNOWN`.
@@ -14,9 +16,13 @@ from distlab.gpt.arguments import PretrainArgs
 from distlab.gpt.inference.architecture import Architecture, ConversionError
 from distlab.gpt.inference.gpt2 import GPT2
 from distlab.gpt.inference.llama import LLAMA
+from distlab.gpt.inference.mistral import MISTRAL
 from distlab.gpt.inference.mixtral import MIXTRAL
+from distlab.gpt.inference.qwen2 import QWEN2
 
-KNOWN: tuple[Architecture, ...] = (GPT2, LLAMA, MIXTRAL)
+KNOWN: tuple[Architecture, ...] = (GPT2, LLAMA, MIXTRAL, QWEN2)
+#: Read in only: a course run that builds one is written as another family (``mistral.py``).
+READ_ONLY: tuple[Architecture, ...] = (MISTRAL,)
 
 
 def for_args(args: PretrainArgs) -> Architecture:
@@ -33,7 +39,7 @@ def for_args(args: PretrainArgs) -> Architecture:
 def for_hf(config: dict, where: str) -> Architecture:
     """The family of a transformers ``config.json`` (its ``model_type`` and ``architectures``)."""
     model_type, classes = config.get("model_type"), config.get("architectures") or []
-    for arch in KNOWN:
+    for arch in KNOWN + READ_ONLY:
         if model_type == arch.model_type:
             if classes and arch.hf_class not in classes:
                 raise ConversionError(
@@ -43,7 +49,7 @@ def for_hf(config: dict, where: str) -> Architecture:
             return arch
     from transformers import CONFIG_MAPPING  # model_type -> config class, for every model it has
 
-    known_types = [a.model_type for a in KNOWN]
+    known_types = [a.model_type for a in KNOWN + READ_ONLY]
     if model_type not in CONFIG_MAPPING:
         raise ConversionError(
             f"{where}: model_type {model_type!r} is not an architecture transformers has; "

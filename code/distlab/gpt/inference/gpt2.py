@@ -29,8 +29,9 @@ The course's column-parallel qkv keeps each head's q, k and v next to each other
 contiguous slice of rows is whole heads on a tp rank (``transformer/gpt_model.py``); GPT-2 splits
 c_attn's output into three H-wide blocks. Configuration: ``layer_norm_epsilon`` is the run's
 ``--norm-epsilon`` (Megatron's default 1e-5, GPT-2's too); ``activation_function``
-is ``"gelu"``, the exact erf GeLU of ``F.gelu`` (GPT-2's own ``"gelu_new"`` is the tanh
-approximation: refused on the way in, since the course would compute another function);
+is ``"gelu"``, the exact erf GeLU of ``F.gelu``, or GPT-2's own ``"gelu_new"`` (transformers'
+default; ``"gelu_pytorch_tanh"`` is the same function), the tanh approximation, which is
+Megatron's ``--openai-gelu``; any other is refused on the way in;
 ``vocab_size`` is the padded V, all rows kept (the padded ids are never produced: see
 ``hf_checkpoint.py``'s ``suppress_tokens``); ``n_positions`` is T_max; dropouts are the run's
 ``--hidden-dropout`` (``resid_pdrop``, ``embd_pdrop``) and ``--attention-dropout`` (``attn_pdrop``).
@@ -46,7 +47,6 @@ from distlab.gpt.transformer.config import GPTConfig
 
 #: GPT-2 options whose other values compute something the course GPT does not.
 MUST_BE = {
-    "activation_function": "gelu",
     "scale_attn_weights": True,
     "scale_attn_by_inverse_layer_idx": False,
     "add_cross_attention": False,
@@ -62,6 +62,8 @@ BLOCK = {
     "mlp.fc2.weight": ("mlp.c_proj.weight", "t"), "mlp.fc2.bias": ("mlp.c_proj.bias", "same"),
 }  # fmt: skip
 TOP = ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")  # transformer.<the same name>
+#: ``activation_function`` -> ``--openai-gelu`` (transformers' default is gelu_new).
+ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
 #: The flags of the course GPT (the defaults): a run without them is another family.
@@ -100,16 +102,21 @@ def hf_config(cfg: GPTConfig, args: PretrainArgs) -> dict:
         "embd_pdrop": args.hidden_dropout,
         "attn_pdrop": args.attention_dropout,
         "initializer_range": args.init_method_std,
+        "activation_function": "gelu_new" if cfg.openai_gelu else "gelu",
         **MUST_BE,
     }
 
 
 def course_args(config: dict) -> dict:
     wrong = {k: config.get(k, v) for k, v in MUST_BE.items() if config.get(k, v) != v}
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in ACTIVATIONS:
+        wrong["activation_function"] = activation
     if wrong:
+        want = {k: MUST_BE.get(k, " or ".join(ACTIVATIONS)) for k in wrong}
         raise ConversionError(
-            f"this GPT-2 has {wrong}: the course GPT computes { ({k: MUST_BE[k] for k in wrong}) } "
-            f"(exact GeLU, 1/sqrt(d) attention, tied output, no "
+            f"this GPT-2 has {wrong}: the course GPT computes {want} "
+            f"(exact GeLU or its tanh approximation with --openai-gelu, 1/sqrt(d) attention, tied output, no "
             f"cross-attention), so its outputs would differ from transformers'"
         )
     hidden = config.get("n_embd", 768)
@@ -123,6 +130,7 @@ def course_args(config: dict) -> dict:
         "hidden_dropout": config.get("resid_pdrop", 0.1),
         "attention_dropout": config.get("attn_pdrop", 0.1),
         "init_method_std": config.get("initializer_range", 0.02),
+        "openai_gelu": ACTIVATIONS[activation],
     }
 
 

@@ -35,9 +35,9 @@ Configuration: ``rms_norm_eps`` is ``--norm-epsilon``; ``rope_parameters.rope_th
 ``--rotary-base`` (an integer in Megatron); ``num_key_value_heads`` g; ``head_dim`` d;
 ``max_position_embeddings`` T_max (the positions generation may use; RoPE has no table);
 ``hidden_act`` silu. Refused on the way in, each naming the field and what the course lacks: a
-bias (``attention_bias``, ``mlp_bias``: the course's ``--disable-bias-linear`` is all or none), RoPE
-scaling (``rope_type`` other than default), a partial rotation (``partial_rotary_factor``), another
-activation, a non-integral base.
+bias (``attention_bias``, ``mlp_bias``: q/k/v's alone is Qwen2's, ``qwen2.py``), RoPE scaling other
+than Llama 3's (``rope_scaling.py``: ``rope_type`` llama3 is ``--use-rope-scaling``), a partial
+rotation (``partial_rotary_factor``), another activation, a non-integral base.
 
 **``--apply-layernorm-1p``** (Megatron's Llama 3 script passes it; megatron-core's
 ``layernorm_zero_centered_gamma``): each RMSNorm stores gamma - 1 and scales by 1 + it
@@ -54,6 +54,7 @@ from collections.abc import Callable
 import torch
 
 from distlab.gpt.arguments import PretrainArgs
+from distlab.gpt.inference import rope_scaling
 from distlab.gpt.inference.architecture import Architecture, ConversionError, Needs, StateDict, unmet
 from distlab.gpt.transformer.config import GPTConfig
 
@@ -64,6 +65,7 @@ NEEDS: Needs = {
     "rotary_percent": (1.0, "--rotary-percent 1.0"),
     "swiglu": (True, "--swiglu"),
     "add_bias_linear": (False, "--disable-bias-linear"),
+    "add_qkv_bias": (False, "no --add-qkv-bias"),
 }
 #: Per block, the weights copied as they are: course suffix -> transformers suffix.
 SAME = {
@@ -103,7 +105,7 @@ def hf_config(cfg: GPTConfig, args: PretrainArgs) -> dict:
         "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.layernorm_epsilon,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+        "rope_parameters": rope_scaling.hf_rope(cfg),
         "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -117,19 +119,18 @@ def course_args(config: dict) -> dict:
     """The course flags of a Llama (or Mixtral: the same attention, norms and embeddings)."""
     c = standard(config)
     rope = c["rope_parameters"] or {}
-    theta, kind = rope.get("rope_theta"), rope.get("rope_type", "default")
+    theta = rope.get("rope_theta")
     refused = {
         "hidden_act": (c["hidden_act"], "silu", "SwiGLU's silu (--swiglu)"),
         "attention_bias": (c.get("attention_bias", False), False, "no bias: --disable-bias-linear is all or none"),
         "mlp_bias": (c.get("mlp_bias", False), False, "no bias: --disable-bias-linear is all or none"),
-        "rope_parameters.rope_type": (kind, "default", "RoPE without scaling (no flag scales it)"),
         "rope_parameters.partial_rotary_factor": (rope.get("partial_rotary_factor", 1.0), 1.0,
                                                   "transformers' Llama rotates whole heads"),
         "rope_parameters.rope_theta": (theta, theta and float(int(theta)), "an integer --rotary-base"),
     }  # fmt: skip
     wrong = [
         f"{k} {got!r} (the course computes {what})" for k, (got, ok, what) in refused.items() if got != ok
-    ]
+    ] + rope_scaling.refused(rope)
     if wrong:
         raise ConversionError(
             f"this {config['model_type']} model computes what the course cannot: " + "; ".join(wrong)
@@ -146,6 +147,7 @@ def course_args(config: dict) -> dict:
         "max_position_embeddings": c["max_position_embeddings"],
         "position_embedding_type": "rope",
         "rotary_base": int(theta),
+        **rope_scaling.course_args(rope),
         "normalization": "RMSNorm",
         "layernorm_epsilon": c["rms_norm_eps"],
         "swiglu": True,

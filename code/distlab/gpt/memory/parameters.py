@@ -29,6 +29,8 @@ def layer_parameters(c: MemorySetup) -> tuple[int, int]:
     if c.add_bias_linear:
         split += (a + 2 * g) * d + fc1
         replicated += 2 * h
+    elif c.add_qkv_bias:
+        split += (a + 2 * g) * d
     return split, replicated
 
 

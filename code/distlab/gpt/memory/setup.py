@@ -87,6 +87,8 @@ class MemorySetup:
     swiglu: bool = False
     """Three F x h matrices in the MLP (gate, up, down) instead of two."""
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    """qkv's bias alone (``--add-qkv-bias``, Qwen2)."""
     normalization: str = "LayerNorm"
     """RMSNorm has a weight and no bias."""
     position_embedding_type: str = "learned_absolute"
@@ -211,6 +213,7 @@ class MemorySetup:
             kv_channels=args.kv_channels,
             swiglu=args.swiglu,
             add_bias_linear=args.add_bias_linear,
+            add_qkv_bias=args.add_qkv_bias,
             normalization=args.normalization,
             position_embedding_type=args.position_embedding_type,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,

@@ -79,8 +79,8 @@ class SelfAttention(nn.Module):
         self.explicit = cfg.attention_backend in EXPLICIT_BACKENDS
         self.recompute = cfg.recompute_granularity == "selective"
         sp, bias = cfg.sequence_parallel, cfg.add_bias_linear
-        self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, (n + 2 * g) * d, group=group, bias=bias, sequence_parallel=sp
+        self.qkv = ColumnParallelLinear(  # --add-qkv-bias: this bias alone (megatron-core's rule)
+            cfg.hidden_size, (n + 2 * g) * d, group=group, bias=bias or cfg.add_qkv_bias, sequence_parallel=sp
         )
         self.proj = RowParallelLinear(n * d, cfg.hidden_size, group=group, bias=bias, sequence_parallel=sp)
 

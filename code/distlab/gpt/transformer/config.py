@@ -57,6 +57,10 @@ class GPTConfig:
     """``--apply-layernorm-1p``: the norms store gamma - 1 (initialised 0) and scale by 1 + it."""
     add_bias_linear: bool = True
     """False with ``--disable-bias-linear``: no bias on qkv, proj, fc1, fc2."""
+    add_qkv_bias: bool = False
+    """``--add-qkv-bias``: a bias on qkv even without the others (Qwen2); megatron-core's field."""
+    openai_gelu: bool = False
+    """``--openai-gelu``: the (non-gated) MLP's GeLU is the tanh approximation (GPT-2's ``gelu_new``)."""
     swiglu: bool = False
     """``--swiglu``: fc1 is two matrices, gate and up, F each; y = silu(gate) * up."""
     position_embedding_type: str = "learned_absolute"
@@ -65,6 +69,11 @@ class GPTConfig:
     """RoPE's base b: pair i of a head rotates by position x b^(-2i / d_rot)."""
     rotary_percent: float = 1.0
     """The fraction of each head's d channels RoPE rotates (d_rot = d x it); the rest pass as they are."""
+    rope_scaling: bool = False
+    """``--use-rope-scaling``: Llama 3.x's frequencies (``rope.llama3_frequencies``; megatron-core's
+    ``GPTModel(rope_scaling=...)``)."""
+    rope_scaling_factor: float = 8.0
+    """``--rope-scaling-factor``: what the lowest frequencies are divided by."""
     untie_embeddings_and_output_weights: bool = False
     """The output layer on the last stage has its own (V, H) weight instead of E."""
     init_method_std: float = 0.02
@@ -111,6 +120,9 @@ class GPTConfig:
             errors.append(f"attention backend {self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
         if self.position_embedding_type == "rope":
             errors += rotary_errors(self.head_dim, self.rotary_percent)
+        errors += variant_errors(
+            self.position_embedding_type, self.rope_scaling, self.openai_gelu, self.swiglu
+        )
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -144,3 +156,19 @@ def rotary_errors(head_dim: int, rotary_percent: float) -> list[str]:
             f"an even number of channels >= 2 (0 < percent <= 1); choose e.g. --rotary-percent 1.0"
         ]
     return []
+
+
+def variant_errors(
+    position_embedding_type: str, rope_scaling: bool, openai_gelu: bool, swiglu: bool
+) -> list[str]:
+    """The switches that change one part of the model, refused where that part is not built
+    (Megatron-LM ignores them there)."""
+    errors = []
+    if rope_scaling and position_embedding_type != "rope":
+        errors.append(
+            f"--use-rope-scaling with --position-embedding-type {position_embedding_type}: it scales RoPE's "
+            f"frequencies; add --position-embedding-type rope or drop it"
+        )
+    if openai_gelu and swiglu:
+        errors.append("--openai-gelu with --swiglu: SwiGLU has no GeLU to approximate; drop one of them")
+    return errors

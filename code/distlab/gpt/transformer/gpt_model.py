@@ -239,7 +239,10 @@ class GPTModel(nn.Module):
         else:
             h = self.input_tensor.to(self.residual_dtype(self.input_tensor))  # as the stages exchange it
             pos = self.positions(h.shape[1] * self.sp_size, h.device, cached) if self.rotary_dim else None
-        rotary = rotary_angles(pos, self.rotary_dim, self.cfg.rotary_base) if self.rotary_dim else None
+        scaling = self.cfg.rope_scaling_factor if self.cfg.rope_scaling else None
+        rotary = (
+            rotary_angles(pos, self.rotary_dim, self.cfg.rotary_base, scaling) if self.rotary_dim else None
+        )
         blocks = list(self.layers.values())[chunk * self.per_chunk : (chunk + 1) * self.per_chunk]
         for first, end, checkpointed in self.groups:  # full recomputation: keep each group's input only
             if checkpointed and self.training:

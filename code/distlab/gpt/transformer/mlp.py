@@ -7,7 +7,9 @@ For x (b, T, H) and width F::
 
 (Shazeer 2020, "GLU Variants Improve Transformer"; silu(z) = z sigmoid(z).) SwiGLU has three
 F x H matrices where GeLU has two, which is why Megatron's default F for it is 2/3 of 4H
-(rounded down to a multiple of 64: ``validate_args``).
+(rounded down to a multiple of 64: ``validate_args``). ``--openai-gelu`` computes GeLU as
+0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3))) (megatron-core's ``openai_gelu``, GPT-2's
+``gelu_new``; ``F.gelu(approximate="tanh")``) instead of the exact z Phi(z).
 
 **Tensor parallelism.** ``fc1`` is column-parallel and ``fc2`` row-parallel, as for GeLU. With
 SwiGLU, fc1's weight is the (2F, H) ``[A_gate; A_up]`` (rows are output features) split with
@@ -33,6 +35,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, group) -> None:
         super().__init__()
         sp, bias, self.swiglu = cfg.sequence_parallel, cfg.add_bias_linear, cfg.swiglu
+        self.gelu = "tanh" if cfg.openai_gelu else "none"  # --openai-gelu: GPT-2's gelu_new
         width = 2 * cfg.ffn if cfg.swiglu else cfg.ffn  # [gate; up] with SwiGLU
         self.fc1 = ColumnParallelLinear(
             cfg.hidden_size,
@@ -50,5 +53,5 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)  # (b, T, F/tp) each: this rank's slices of both
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu)
         return self.fc2(y)  # partial (b, T, H) per rank, then g (all-reduce) or g-bar (reduce-scatter)

@@ -27,15 +27,43 @@ fp32, and cast to q's dtype, as Megatron does.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def rotary_angles(positions: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
-    """positions (T,) global token indices -> angles (T, d_rot): [m theta_0 .. m theta_{d_rot/2-1}] twice."""
+def rotary_angles(
+    positions: torch.Tensor, rotary_dim: int, base: float, scaling_factor: float | None = None
+) -> torch.Tensor:
+    """positions (T,) global token indices -> angles (T, d_rot): [m theta_0 .. m theta_{d_rot/2-1}] twice;
+    ``scaling_factor`` (``--use-rope-scaling``): the thetas of :func:`llama3_frequencies`."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim
     inv_freq = 1.0 / (base**exponents)  # (d_rot / 2,): theta_i, as megatron-core's RotaryEmbedding
+    if scaling_factor is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling_factor)
     freqs = torch.outer(positions.to(torch.float32), inv_freq)  # (T, d_rot / 2)
     return torch.cat((freqs, freqs), dim=-1)  # (T, d_rot)
+
+
+#: Llama 3's other constants, fixed in megatron-core (``RotaryEmbedding._apply_scaling``'s defaults)
+#: and in every Llama 3.1 / 3.2 ``config.json``: low_freq_factor, high_freq_factor, and the context
+#: length the model was first trained at (original_max_position_embeddings).
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.1's RoPE frequencies (``rope_type`` llama3; megatron-core's ``_apply_scaling``,
+    transformers' ``_compute_llama3_parameters``): with C = 8192 the original context and a
+    wavelength 2 pi / theta, a theta whose wavelength is above C / low_freq_factor is divided by
+    ``factor``, one below C / high_freq_factor stays, and in between it is interpolated:
+    s = (C / wavelength - low) / (high - low), theta' = (1 - s) theta / factor + s theta."""
+    low, high, context = LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,10 @@ class ExpertMLP(nn.Module):
         etp_rank: int = 0,
         gated: bool = False,
         bias: bool = True,
+        openai_gelu: bool = False,
     ) -> None:
         super().__init__()
+        self.gelu = "tanh" if openai_gelu else "none"  # --openai-gelu (``mlp.py``)
         if ffn % etp:
             raise ValueError(
                 f"the experts' FFN width {ffn} is not divisible by the expert-tensor-parallel size {etp}: "
@@ -73,7 +75,7 @@ class ExpertMLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)  # (n, F / etp) each
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu)
         y = F.linear(h, self.fc2.weight)  # (n, H)
         if self.fc2.bias is not None:  # in y's dtype, as F.linear adds it under autocast
             y = y + (self.bias_share * self.fc2.bias).to(y.dtype)

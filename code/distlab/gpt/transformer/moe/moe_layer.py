@@ -62,6 +62,8 @@ class MoEConfig:
     """SwiGLU experts (``--swiglu``): fc1 H -> 2F, silu(gate) * up."""
     add_bias_linear: bool = True
     """Biases in the experts' fc1 and fc2 (``--disable-bias-linear`` clears it)."""
+    openai_gelu: bool = False
+    """``--openai-gelu``: non-gated experts' GeLU is the tanh approximation."""
 
     def __post_init__(self) -> None:
         errors = config_errors(self.num_experts, self.topk, self.capacity_factor)
@@ -154,7 +156,7 @@ class MoELayer(nn.Module):
         self.experts = nn.ModuleDict(
             {
                 str(e): ExpertMLP(hidden, ffn, etp=tp, etp_rank=tp_rank, gated=cfg.gated_linear_unit,
-                                  bias=cfg.add_bias_linear)
+                                  bias=cfg.add_bias_linear, openai_gelu=cfg.openai_gelu)
                 for e in range(local.start, local.stop)
             }
         )  # fmt: skip
