@@ -96,6 +96,8 @@ def test_generated_folders_are_ignored():
         "runs/tb/events",
         ".lab/cluster/slurm.conf",
         ".venv/bin/python",
+        "notebooks/flight_recorder_12/rank_0",
+        "flight_recorder/started_0.json",
     ]
     out = subprocess.run(["git", "check-ignore", *probe], cwd=REPO_ROOT, capture_output=True, text=True)
     assert sorted(out.stdout.split()) == sorted(probe)
