@@ -151,7 +151,7 @@ def course_table(rows: Sequence[NotebookMinutes]) -> str:
     lines = [start, "| notebook | day | minutes |", "|---|---|---|"]
     for r in rows:
         day = r.day.split()[1] if r.day.startswith("Day ") else r.day  # "Day 3 (optional)" -> "3"
-        lines.append(f"| {r.number} · {short_title(r.title)} | {day} | {_f(r.total)} |")
+        lines.append(f"| {r.number} {short_title(r.title)} | {day} | {_f(r.total)} |")
     return "\n".join([*lines, end])
 
 
