@@ -6,6 +6,9 @@ rank 0 it can ask the detector's control port for a toggle at a chosen iteration
 rank0:PORT``). The checks: every report names the slow rank as the one of longest forward-backward
 time and lowest TFLOP/s, and with ``--straggler-minmax-count 2`` it is first of the bottom two;
 ``--disable-straggler-on-startup`` prints nothing until the port is asked, then reports.
+
+Without processes: the line's formatting from given per-rank values, with the GPU readings (power,
+temperature, utilisation, clock, as on CUDA) and without them (the CPU line, unchanged).
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distlab import REPO_ROOT
-from distlab.gpt.training.straggler import STRAGGLER, STRAGGLER_RANKS
+from distlab.gpt.training import straggler
+from distlab.gpt.training.straggler import STRAGGLER, STRAGGLER_RANKS, format_report, gpu_health
 from distlab.local_ranks import free_port, torchrun_env
 from distlab.local_runs import prepare_data
 
@@ -116,3 +121,54 @@ def test_disabled_on_startup_until_the_port_turns_it_on(data, tmp_path):
     assert "> straggler: StragglerDetector turned ON" in log, log[-3000:]
     assert [r["iteration"] for r in STRAGGLER.parse(log)] == [6, 8], log[-3000:]
     assert all(r["max_rank"] == SLOW_RANK for r in STRAGGLER.parse(log))
+    assert "MnPwr/Rnk" not in log  # no GPU readings on the CPU
+
+
+#: Three ranks' (Rtt ms, Etpt TF/s, rank): rank 1 is the slow one.
+GATHERED = [(20.0, 3.0e-4, 0), (61.25, 1.0e-4, 1), (21.5, 2.9e-4, 2)]
+CPU_LINE = (
+    "> straggler: iteration 10 | MnRtt/Rnk: 20.00ms/0 | MxRtt/Rnk: 61.25ms/1"
+    " | MnEtpt/Rnk: 1.000E-04TF/1 | MxEtpt/Rnk: 3.000E-04TF/0"
+)
+
+
+def test_the_cpu_line_is_unchanged_without_gpu_readings():
+    assert gpu_health(torch.device("cpu")) is None
+    lines = format_report(10, [(*g, None) for g in GATHERED], minmax_count=2)
+    assert lines == [
+        CPU_LINE,
+        "^^^^ Bottom 2 Ranks with lowest  Etpt(TF): 1.000E-04/1, 2.900E-04/2,",
+        "^^^^ Top    2 Ranks with highest Etpt(TF): 2.900E-04/2, 3.000E-04/0,",
+    ]
+    (read,) = STRAGGLER.parse(lines[0])
+    assert "min_w" not in read and (read["max_rank"], read["min_tf_rank"]) == (1, 1)
+
+
+def test_the_gpu_readings_in_megatrons_order():
+    health = [
+        dict(power_w=612.5, temperature_c=55.0, utilization_pct=100.0, clock_mhz=1980.0),
+        dict(power_w=420.25, temperature_c=83.0, utilization_pct=97.0, clock_mhz=1410.0),
+        dict(power_w=650.0, temperature_c=52.0, utilization_pct=100.0, clock_mhz=1965.0),
+    ]
+    (line,) = format_report(10, [(*g, h) for g, h in zip(GATHERED, health, strict=True)], minmax_count=1)
+    assert line == (
+        "> straggler: iteration 10 | MnRtt/Rnk: 20.00ms/0 | MxRtt/Rnk: 61.25ms/1"
+        " | MnPwr/Rnk: 420.25W/1 | MxPwr/Rnk: 650.00W/2 | MnTmp/Rnk: 52.00C/2 | MxTmp/Rnk: 83.00C/1"
+        " | MnUtl/Rnk: 97.00%/1 | MxUtl/Rnk: 100.00%/0 | MnClk/Rnk: 1410.00MHz/1 | MxClk/Rnk: 1980.00MHz/0"
+        " | MnEtpt/Rnk: 1.000E-04TF/1 | MxEtpt/Rnk: 3.000E-04TF/0"
+    )
+    (read,) = STRAGGLER.parse(line)
+    assert (read["min_mhz"], read["min_mhz_rank"], read["max_c_rank"]) == (1410.0, 1, 1)
+    # one rank without readings (no pynvml there): the line has none
+    mixed = [(*GATHERED[0], health[0]), (*GATHERED[1], None), (*GATHERED[2], health[2])]
+    assert format_report(10, mixed, minmax_count=1) == [CPU_LINE]
+
+
+def test_no_readings_when_pynvml_is_missing(monkeypatch):
+    def missing(device=None):
+        raise ModuleNotFoundError("pynvml does not seem to be installed or it can't be imported.")
+
+    monkeypatch.setattr(straggler.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(straggler.torch.cuda, "power_draw", missing)
+    assert gpu_health(torch.device("cuda", 0)) is None
+    assert gpu_health(torch.device("cpu")) is None

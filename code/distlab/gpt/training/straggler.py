@@ -14,6 +14,13 @@ forward); the engine times forward and backward together, so amp = 1 here. Every
 which prints the ranks of the minimum and maximum (:data:`STRAGGLER`) and, with
 ``--straggler-minmax-count N`` (1 < N < world), the N lowest and N highest ``Etpt/rank`` pairs.
 
+On a CUDA device every rank also reads its GPU's power (W), temperature (C), SM clock (MHz) and
+utilisation (%) at the report (``torch.cuda.power_draw``, ``temperature``, ``clock_rate``,
+``utilization``, which need ``pynvml``), and the line adds their min/max and ranks in Megatron's
+order (``MnPwr/Rnk`` ... ``MxClk/Rnk``, between ``MxRtt/Rnk`` and ``MnEtpt/Rnk``). Megatron prints
+``power_draw``'s milliwatts with the unit W; the engine divides by 1000. On the CPU, or without
+``pynvml``, nothing is read and the line is unchanged (:func:`gpu_health` returns None).
+
 ``--disable-straggler-on-startup`` starts with collection off; as in Megatron, rank 0 listens on
 ``--straggler-ctrlr-port`` (HTTP: ``curl rank0-host:PORT``) and each request toggles collection at
 the next report (rank 0 broadcasts the state: every rank switches at the same iteration).
@@ -27,19 +34,71 @@ import threading
 import torch
 import torch.distributed as dist
 
-from distlab.log_line import LogLine
+from distlab.log_line import LogLine, Opt
 
 #: Rank 0, every --log-interval with --log-straggler (Megatron's StragglerDetector line, the
 #: throughput in E notation: a CPU rank's TFLOP/s are 1e-4).
 STRAGGLER = LogLine(
-    "> straggler: iteration {iteration:d} | MnRtt/Rnk: {min_ms:.2f}ms/{min_rank:d} | MxRtt/Rnk: {max_ms:.2f}ms/{max_rank:d}"
-    " | MnEtpt/Rnk: {min_tf:.3E}TF/{min_tf_rank:d} | MxEtpt/Rnk: {max_tf:.3E}TF/{max_tf_rank:d}"
+    "> straggler: iteration {iteration:d} | MnRtt/Rnk: {min_ms:.2f}ms/{min_rank:d} | MxRtt/Rnk: {max_ms:.2f}ms/{max_rank:d}",
+    Opt(
+        " | MnPwr/Rnk: {min_w:.2f}W/{min_w_rank:d} | MxPwr/Rnk: {max_w:.2f}W/{max_w_rank:d}"
+        " | MnTmp/Rnk: {min_c:.2f}C/{min_c_rank:d} | MxTmp/Rnk: {max_c:.2f}C/{max_c_rank:d}"
+        " | MnUtl/Rnk: {min_util:.2f}%/{min_util_rank:d} | MxUtl/Rnk: {max_util:.2f}%/{max_util_rank:d}"
+        " | MnClk/Rnk: {min_mhz:.2f}MHz/{min_mhz_rank:d} | MxClk/Rnk: {max_mhz:.2f}MHz/{max_mhz_rank:d}"
+    ),
+    " | MnEtpt/Rnk: {min_tf:.3E}TF/{min_tf_rank:d} | MxEtpt/Rnk: {max_tf:.3E}TF/{max_tf_rank:d}",
 )
+#: The GPU readings of the line (on CUDA only): field prefix -> key of :func:`gpu_health`'s dict.
+HEALTH = {"w": "power_w", "c": "temperature_c", "util": "utilization_pct", "mhz": "clock_mhz"}
 #: With --straggler-minmax-count N > 1, after STRAGGLER: the N lowest (Bottom) and highest (Top).
 STRAGGLER_RANKS = LogLine("^^^^ {which} {n:d} Ranks with {how} Etpt(TF): {pairs}")
 
 #: Megatron divides by 3 because it times the forward only; the engine times forward + backward.
 AMP = 1.0
+
+
+def gpu_health(device: torch.device) -> dict | None:
+    """This rank's GPU power (W), temperature (C), SM clock (MHz) and utilisation (%) now, as
+    Megatron's StragglerDetector reads them at a report; None on the CPU, without CUDA, or when
+    the readings fail (``pynvml`` not installed, a driver that does not report them)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        return {
+            "power_w": torch.cuda.power_draw(device) / 1000,  # milliwatts
+            "temperature_c": float(torch.cuda.temperature(device)),
+            "utilization_pct": float(torch.cuda.utilization(device)),
+            "clock_mhz": float(torch.cuda.clock_rate(device)),
+        }
+    except Exception:  # ModuleNotFoundError (no pynvml), pynvml.NVMLError, RuntimeError
+        return None
+
+
+def format_report(iteration: int, gathered: list[tuple], minmax_count: int) -> list[str]:
+    """Rank 0's lines from every rank's ``(Rtt ms, Etpt TF/s, rank, health)`` (health: a
+    :func:`gpu_health` dict or None): :data:`STRAGGLER`, with the GPU readings only when every rank
+    has them, then with 1 < ``minmax_count`` < world the Bottom and Top lines."""
+    by_time = sorted(gathered, key=lambda x: (x[0], x[2]))
+    by_tflops = sorted(gathered, key=lambda x: (x[1], x[2]))
+    (min_ms, _, min_rank, _), (max_ms, _, max_rank, _) = by_time[0], by_time[-1]
+    (_, low_tf, low_rank, _), (_, high_tf, high_rank, _) = by_tflops[0], by_tflops[-1]
+    fields = dict(
+        iteration=iteration, min_ms=min_ms, min_rank=min_rank, max_ms=max_ms, max_rank=max_rank,
+        min_tf=low_tf, min_tf_rank=low_rank, max_tf=high_tf, max_tf_rank=high_rank,
+    )  # fmt: skip
+    if all(health is not None for *_, health in gathered):
+        by_rank = sorted(gathered, key=lambda x: x[2])
+        for prefix, key in HEALTH.items():  # min() and max() as Megatron's: ties go to the lower rank
+            low, high = (pick(by_rank, key=lambda x: x[3][key]) for pick in (min, max))  # noqa: B023
+            fields[f"min_{prefix}"], fields[f"min_{prefix}_rank"] = low[3][key], low[2]
+            fields[f"max_{prefix}"], fields[f"max_{prefix}_rank"] = high[3][key], high[2]
+    lines = [STRAGGLER.format(**fields)]
+    n, world = minmax_count, len(gathered)
+    if 1 < n < world:
+        pairs = lambda part: " ".join(f"{x[1]:.3E}/{x[2]}," for x in part)  # noqa: E731
+        lines.append(STRAGGLER_RANKS.format(which="Bottom", n=n, how="lowest ", pairs=pairs(by_tflops[:n])))
+        lines.append(STRAGGLER_RANKS.format(which="Top   ", n=n, how="highest", pairs=pairs(by_tflops[-n:])))
+    return lines
 
 
 class StragglerDetector:
@@ -105,29 +164,10 @@ class StragglerDetector:
 
     def _min_max(self, iteration: int, rtt: float, etpt: float) -> list[str]:
         gathered = [None] * self.world if self.rank == 0 else None
-        dist.gather_object((rtt, etpt, self.rank), gathered, dst=0)
+        dist.gather_object((rtt, etpt, self.rank, gpu_health(self.device)), gathered, dst=0)
         if self.rank != 0:
             return []
-        by_time = sorted(gathered)
-        by_tflops = sorted(gathered, key=lambda x: (x[1], x[2]))
-        (min_ms, _, min_rank), (max_ms, _, max_rank) = by_time[0], by_time[-1]
-        (_, low_tf, low_rank), (_, high_tf, high_rank) = by_tflops[0], by_tflops[-1]
-        lines = [
-            STRAGGLER.format(
-                iteration=iteration, min_ms=min_ms, min_rank=min_rank, max_ms=max_ms, max_rank=max_rank,
-                min_tf=low_tf, min_tf_rank=low_rank, max_tf=high_tf, max_tf_rank=high_rank,
-            )
-        ]  # fmt: skip
-        n = self.minmax_count
-        if 1 < n < self.world:
-            pairs = lambda part: " ".join(f"{tf:.3E}/{r}," for _, tf, r in part)  # noqa: E731
-            lines.append(
-                STRAGGLER_RANKS.format(which="Bottom", n=n, how="lowest ", pairs=pairs(by_tflops[:n]))
-            )
-            lines.append(
-                STRAGGLER_RANKS.format(which="Top   ", n=n, how="highest", pairs=pairs(by_tflops[-n:]))
-            )
-        return lines
+        return format_report(iteration, gathered, self.minmax_count)
 
     def _check_toggle(self) -> None:
         off = torch.tensor(
@@ -146,4 +186,4 @@ class StragglerDetector:
             sock.close()
 
 
-__all__ = ["AMP", "StragglerDetector"]
+__all__ = ["AMP", "HEALTH", "StragglerDetector", "format_report", "gpu_health"]
